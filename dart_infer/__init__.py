@@ -1,0 +1,1 @@
+"""DART inference: draft model, target adapter, C++ tree search, lossless generation."""

