@@ -120,12 +120,8 @@ void read_weights(const py::object& given, int64_t levels, bool is_level_weight,
     }
     return;
   }
-  py::array_t<double, py::array::forcecast> array;
-  try {
-    array = py::array_t<double, py::array::forcecast>::ensure(given);
-  } catch (const py::error_already_set&) {
-    array = py::array_t<double, py::array::forcecast>();
-  }
+  // ensure() converts any float sequence/array and yields a null array (error cleared) otherwise.
+  auto array = py::array_t<double, py::array::forcecast>::ensure(given);
   if (!array || array.ndim() != 1 || array.shape(0) != levels) {
     throw std::invalid_argument(std::string(name) + " must be a 1-D sequence of " + std::to_string(levels) +
                                 " floats (one per level)");
@@ -247,7 +243,7 @@ py::tuple search(const py::array& topk_tokens, const py::array& topk_probs, cons
 PYBIND11_MODULE(_search, m) {
   m.doc() = "C++ tree search of DART: top-k draft logits + n-gram trie -> draft tree";
   m.def("search", &search, py::arg("topk_tokens"), py::arg("topk_probs"), py::arg("trie"),
-        py::arg("prompt_tokens"), py::kw_only(), py::arg("eos_token_id"), py::arg("beam_width"),
+        py::arg("prompt_tokens"), py::arg("eos_token_id"), py::arg("beam_width"),
         py::arg("remain_total"), py::arg("ngram_weight"), py::arg("level_weight"), py::arg("logit_weight"),
         py::arg("ngram_on_first_level"), py::arg("vocab_size"),
         "Runs one tree search. Arrays in: topk_tokens int32/int64 [d, k], topk_probs float32/float64 "

@@ -1,0 +1,161 @@
+"""DART's n-gram-enforced tree search (dart-method.md §4), one C++ call per decoding step.
+
+The search runs in C++ (``dart_infer._search``) with the GIL released; this module only turns
+tensors into numpy views and the results back into tensors (no copies of the inputs beyond a
+dtype conversion when needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dart_infer import _search
+
+__all__ = ["tree_search"]
+
+_TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of a CPU tensor (one copy to the host for other devices)."""
+    if tensor.requires_grad or not tensor.is_cpu:
+        tensor = tensor.detach().cpu()
+    return tensor.numpy()
+
+
+def _tokens_array(tokens: Any, name: str) -> Any:
+    """A numpy int32/int64 view of `tokens` (torch tensor, numpy array, or list for prompts)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype not in _TOKEN_DTYPES:
+            if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+                raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+            tokens = tokens.to(torch.int64)
+        return _numpy_view(tokens)
+    return tokens
+
+
+def _probs_array(probs: Any) -> Any:
+    """A numpy float32/float64 view of `probs`; other float dtypes are converted once."""
+    if isinstance(probs, torch.Tensor):
+        if not probs.dtype.is_floating_point:
+            raise ValueError(f"topk_probs must be a floating-point tensor, got dtype {probs.dtype}")
+        if probs.dtype not in (torch.float32, torch.float64):
+            probs = probs.to(torch.float32)
+        return _numpy_view(probs)
+    if isinstance(probs, np.ndarray) and probs.dtype not in (np.float32, np.float64):
+        if not np.issubdtype(probs.dtype, np.floating):
+            raise ValueError(f"topk_probs must be floating point, got dtype {probs.dtype}")
+        return probs.astype(np.float32)
+    return probs
+
+
+def _weights(weights: Sequence[float] | torch.Tensor | np.ndarray | None) -> Any:
+    if isinstance(weights, torch.Tensor):
+        return weights.detach().cpu().to(torch.float64).numpy()
+    return weights
+
+
+def tree_search(
+    topk_tokens: torch.Tensor | np.ndarray,
+    topk_probs: torch.Tensor | np.ndarray,
+    trie: Any,
+    prompt_tokens: torch.Tensor | np.ndarray | Sequence[int],
+    *,
+    eos_token_id: int,
+    beam_width: int = 20,
+    remain_total: int = 60,
+    ngram_weight: float = 0.5,
+    level_weight: Sequence[float] | torch.Tensor | np.ndarray | None = None,
+    logit_weight: Sequence[float] | torch.Tensor | np.ndarray | None = None,
+    ngram_on_first_level: bool = False,
+    vocab_size: int | None = None,
+    return_parents: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Builds one draft tree from the draft head's top-k candidates (dart-method.md §4).
+
+    Beam search over the ``d`` levels: each beam path is extended by the level's ``k`` tokens; a
+    child's score is ``parent + level_weight[l] * (logit_weight[l] * log(p + 1e-10)
+    + ngram_weight * log(p_ngram + 1e-10))``, with ``p_ngram`` the trie's back-off probability of
+    the token after the last ``order - 1`` tokens of ``prompt_tokens + path``. The n-gram term is
+    left out at level 0 unless ``ngram_on_first_level``. After each level the best ``beam_width``
+    children (paths ending in ``eos_token_id`` after all others) form the next beam; of all
+    children generated, the best ``remain_total`` by score form the tree (a child never outscores
+    its parent, and ties keep the shallower node, so the kept set is always a tree).
+
+    Args:
+        topk_tokens: int32/int64 ``[d, k]`` TARGET token ids per level (draft ids already mapped
+            through ``d2t``), distinct within a level, ``d >= 1``, ``k >= 1``. Torch tensors (any
+            device) or numpy arrays.
+        topk_probs: float ``[d, k]``, each row a softmax over its ``k`` values (every entry in
+            ``[0, 1]``). float16/bfloat16 tensors are converted to float32 once.
+        trie: an ``ngram_builder.NgramTrie`` or ``None``. With ``None`` the n-gram term is left
+            out at every level, i.e. the search behaves exactly as with ``ngram_weight=0``
+            (``ngram_weight`` is then ignored).
+        prompt_tokens: 1-D int tensor/array or list of ints; its last element is the tree's root
+            (the target's own next token). Only its last ``order - 1`` tokens are read.
+        eos_token_id: paths ending in this token go last when choosing the beam.
+        beam_width: beam paths kept per level (>= 1). ``k < beam_width`` is allowed: the first
+            level's beam then simply holds the ``k`` children.
+        remain_total: number of tree nodes kept, root excluded (>= 1); fewer when the search
+            generates fewer children.
+        ngram_weight: weight of the n-gram log-probability (>= 0).
+        level_weight: ``d`` per-level weights, default ``(l + 1) ** -0.7``.
+        logit_weight: ``d`` per-level weights of the draft log-probability, default ``0.9 ** l``.
+        ngram_on_first_level: include the n-gram term at level 0 (context = prompt tail).
+        vocab_size: if given, every token id must be below it.
+        return_parents: also return ``parents`` (int64 ``[1 + n]``, index of each node's parent,
+            ``-1`` for the root).
+
+    Returns:
+        ``(draft_tokens, retrieve_indices, tree_mask, tree_positions)`` as CPU torch tensors,
+        with ``n`` the number of kept nodes (``1 + n`` rows including the root at index 0):
+
+        - ``draft_tokens``: int64 ``[1 + n]``: the root token, then the nodes sorted by depth
+          (within a depth by descending score; siblings are thus in descending score order).
+        - ``retrieve_indices``: int64 ``[n_leaves, max_depth + 1]``: one row per leaf, the node
+          indices on the path root (0) .. leaf, padded with ``-1``. Rows are in node order.
+        - ``tree_mask``: bool ``[1 + n, 1 + n]``: ``tree_mask[i, j]`` is True iff ``j`` is ``i``,
+          an ancestor of ``i``, or the root.
+        - ``tree_positions``: int64 ``[1 + n]``: depth of each node (root 0).
+
+    Raises:
+        ValueError: bad shapes or dtypes, ``d`` or ``k`` < 1, ``beam_width`` or ``remain_total``
+            < 1, an empty prompt, negative (or ``>= vocab_size``) token ids, a token twice in one
+            level's candidates, probabilities outside
+            ``[0, 1]``, negative or non-finite weights, or a ``trie`` that is not an NgramTrie.
+        RuntimeError: the trie returned a probability outside ``[0, 1]``.
+    """
+    if not isinstance(topk_tokens, torch.Tensor | np.ndarray) or not isinstance(
+        topk_probs, torch.Tensor | np.ndarray
+    ):
+        raise ValueError("topk_tokens and topk_probs must be torch tensors or numpy arrays")
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1 (or None), got {vocab_size}")
+    # Positional: keyword matching in the binding costs more than the rest of the call's overhead.
+    draft_tokens, retrieve_indices, tree_mask, tree_positions, parents = _search.search(
+        _tokens_array(topk_tokens, "topk_tokens"),
+        _probs_array(topk_probs),
+        trie,
+        _tokens_array(prompt_tokens, "prompt_tokens"),
+        eos_token_id,
+        beam_width,
+        remain_total,
+        ngram_weight,
+        _weights(level_weight),
+        _weights(logit_weight),
+        ngram_on_first_level,
+        0 if vocab_size is None else vocab_size,
+    )
+    result = (
+        torch.from_numpy(draft_tokens),
+        torch.from_numpy(retrieve_indices),
+        torch.from_numpy(tree_mask),
+        torch.from_numpy(tree_positions),
+    )
+    if return_parents:
+        return (*result, torch.from_numpy(parents))
+    return result

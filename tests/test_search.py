@@ -1,0 +1,549 @@
+"""Tests of the C++ tree search `dart_infer.search.tree_search` (dart-method.md §4).
+
+- golden: the original implementation's trees on 200 real cases (set of root-to-node paths);
+- an independent, slow-but-obvious Python reference of §4 on random inputs (with and without trie);
+- the encoding invariants (mask / retrieve_indices / positions / order) on every output;
+- input validation, dtype handling, ties, threads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dart_infer.search import tree_search
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def golden_cases() -> list[dict]:
+    with open(FIXTURES / "golden60_search.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def _trie_class():
+    try:
+        from ngram_builder import NgramTrie
+    except ImportError:
+        return None
+    return NgramTrie if hasattr(NgramTrie, "_ngram_query_capsule") else None
+
+
+def _require_trie_class():
+    trie_class = _trie_class()
+    if trie_class is None:
+        pytest.skip("ngram_builder.NgramTrie with _ngram_query_capsule() is not available")
+    return trie_class
+
+
+@pytest.fixture(scope="module")
+def golden_trie_built():
+    trie_class = _require_trie_class()
+    with open(FIXTURES / "golden60_docs.json") as f:
+        spec = json.load(f)
+    trie = trie_class(order=spec["order"])
+    for doc in spec["docs"]:
+        trie.add_tokens(doc)
+    return trie
+
+
+@pytest.fixture(scope="module")
+def golden_trie_loaded():
+    trie_class = _require_trie_class()
+    return trie_class.load_dart(str(FIXTURES / "golden60.trie"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def node_paths(draft_tokens, tree_mask) -> list[tuple[int, ...]]:
+    """Token path (root excluded) of every non-root node, read from the mask and depth order."""
+    tokens = [int(t) for t in draft_tokens]
+    mask = np.asarray(tree_mask, dtype=bool)
+    paths = []
+    for i in range(1, len(tokens)):
+        ancestors = [j for j in range(1, len(tokens)) if mask[i][j]]
+        paths.append(tuple(tokens[j] for j in ancestors))  # nodes are in depth order
+    return paths
+
+
+def check_encoding(draft_tokens, retrieve_indices, tree_mask, tree_positions, root: int) -> None:
+    """Every invariant the tree verification relies on."""
+    n = draft_tokens.shape[0]
+    assert draft_tokens.dtype == torch.int64 and tree_positions.dtype == torch.int64
+    assert retrieve_indices.dtype == torch.int64 and tree_mask.dtype == torch.bool
+    assert tree_mask.shape == (n, n) and tree_positions.shape == (n,)
+    assert int(draft_tokens[0]) == root and int(tree_positions[0]) == 0
+    positions = tree_positions.tolist()
+    assert positions == sorted(positions), "nodes must be sorted by depth"
+    assert all(p >= 1 for p in positions[1:])
+    mask = tree_mask.numpy()
+    # Parent of node i = its ancestor at depth - 1 (exactly one), root for depth 1.
+    parents = [-1]
+    for i in range(1, n):
+        assert mask[i][i] and mask[i][0]
+        seen = [j for j in range(n) if mask[i][j]]
+        assert all(j <= i for j in seen), "a node may only see earlier nodes"
+        depths = sorted(positions[j] for j in seen)
+        assert depths == list(range(positions[i] + 1)), "a node sees exactly one node per depth above it"
+        parent = max(j for j in seen if j != i)
+        assert positions[parent] == positions[i] - 1
+        # Ancestors of i = parent's ancestors + i.
+        assert set(seen) == {j for j in range(n) if mask[parent][j]} | {i}
+        parents.append(parent)
+    assert mask[0].tolist() == [True] + [False] * (n - 1)
+    # No two nodes with the same token path.
+    paths = node_paths(draft_tokens, tree_mask)
+    assert len(set(paths)) == len(paths)
+    # retrieve_indices: one row per leaf, root..leaf, -1 padding, width max_depth + 1.
+    max_depth = max(positions)
+    leaves = set(range(1, n)) - set(parents)
+    assert retrieve_indices.shape == (len(leaves), max_depth + 1)
+    row_leaves = []
+    for row in retrieve_indices.tolist():
+        valid = [x for x in row if x >= 0]
+        assert row == valid + [-1] * (len(row) - len(valid)), "padding only at the end"
+        assert valid[0] == 0
+        for depth, node in enumerate(valid):
+            assert positions[node] == depth
+            if depth > 0:
+                assert parents[node] == valid[depth - 1]
+        row_leaves.append(valid[-1])
+    assert sorted(row_leaves) == sorted(leaves)
+
+
+def reference_search(
+    topk_tokens,
+    topk_probs,
+    prompt,
+    *,
+    trie=None,
+    eos=EOS,
+    beam_width=20,
+    remain_total=60,
+    ngram_weight=0.5,
+    level_weight=None,
+    logit_weight=None,
+    ngram_on_first_level=False,
+) -> set[tuple[int, ...]]:
+    """dart-method.md §4 written as plainly as possible (float64, Python lists)."""
+    levels = len(topk_tokens)
+    level_weight = level_weight or [(level + 1) ** -0.7 for level in range(levels)]
+    logit_weight = logit_weight or [0.9**level for level in range(levels)]
+    beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+    generated: list[tuple[tuple[int, ...], float]] = []
+    for level in range(levels):
+        tokens = [int(t) for t in topk_tokens[level]]
+        children = []
+        for path, score in beam:
+            use_ngram = trie is not None and ngram_weight > 0 and (level > 0 or ngram_on_first_level)
+            if use_ngram:
+                keep = trie.order - 1
+                context = (list(prompt) + list(path))[-keep:] if keep > 0 else []
+                ngram_probs, _ = trie.probability(context, tokens)
+            for j, token in enumerate(tokens):
+                term = logit_weight[level] * math.log(float(topk_probs[level][j]) + 1e-10)
+                if use_ngram:
+                    term += ngram_weight * math.log(float(ngram_probs[j]) + 1e-10)
+                children.append((path + (token,), score + level_weight[level] * term))
+        generated.extend(children)
+        children.sort(key=lambda child: (child[0][-1] == eos, -child[1]))
+        beam = children[:beam_width]
+    generated.sort(key=lambda child: -child[1])
+    return {path for path, _ in generated[:remain_total]}
+
+
+def random_inputs(rng: np.random.Generator, levels: int, k: int, vocab: int = 60, eos_rate: float = 0.0):
+    tokens = np.stack([rng.choice(vocab, size=k, replace=False) for _ in range(levels)])
+    if eos_rate > 0:  # put EOS among the candidates of some levels
+        for level in range(levels):
+            if rng.random() < eos_rate and EOS not in tokens[level]:
+                tokens[level, rng.integers(k)] = EOS
+    logits = rng.normal(0, 2.0, size=(levels, k))
+    probs = torch.softmax(torch.tensor(logits), dim=-1).to(torch.float32)
+    prompt = rng.integers(0, vocab, size=int(rng.integers(1, 6)))
+    return torch.tensor(tokens, dtype=torch.int64), probs, torch.tensor(prompt, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Golden compatibility with the original implementation
+
+
+def _golden_check(cases: list[dict], trie) -> None:
+    mismatches = []
+    for index, case in enumerate(cases):
+        out = tree_search(
+            torch.tensor(case["topk_tokens"]),
+            torch.tensor(case["topk_probs"]),
+            trie,
+            torch.tensor(case["prompt"]),
+            eos_token_id=EOS,
+        )
+        check_encoding(*out, root=case["prompt"][-1])
+        ours = set(node_paths(out[0], out[2]))
+        theirs = set(node_paths(case["draft_tokens"], case["tree_mask"]))
+        if ours != theirs:
+            mismatches.append(index)
+    assert not mismatches, f"{len(mismatches)} of {len(cases)} golden trees differ: {mismatches[:10]}"
+
+
+def test_golden_trees_with_built_trie(golden_cases, golden_trie_built):
+    _golden_check(golden_cases, golden_trie_built)
+
+
+def test_golden_trees_with_loaded_original_trie(golden_cases, golden_trie_loaded):
+    _golden_check(golden_cases, golden_trie_loaded)
+
+
+def test_golden_fixture_encoding_matches_our_conventions(golden_cases):
+    # The original's own outputs satisfy the invariants we check on ours (guards the checker).
+    for case in golden_cases[:40]:
+        check_encoding(
+            torch.tensor(case["draft_tokens"]),
+            torch.tensor(case["retrieve_indices"]),
+            torch.tensor(case["tree_mask"], dtype=torch.bool),
+            torch.tensor(case["tree_positions"]),
+            root=case["prompt"][-1],
+        )
+
+
+def test_golden_inputs_match_reference_with_trie(golden_cases, golden_trie_built):
+    for case in golden_cases[:25]:
+        out = tree_search(
+            torch.tensor(case["topk_tokens"]),
+            torch.tensor(case["topk_probs"]),
+            golden_trie_built,
+            case["prompt"],
+            eos_token_id=EOS,
+        )
+        expected = reference_search(
+            case["topk_tokens"], case["topk_probs"], case["prompt"], trie=golden_trie_built
+        )
+        assert set(node_paths(out[0], out[2])) == expected
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the Python reference on random inputs
+
+
+@pytest.mark.parametrize(
+    "levels,k,beam_width,remain_total",
+    [
+        (8, 25, 20, 60),
+        (4, 10, 3, 15),
+        (1, 7, 20, 60),
+        (3, 5, 20, 500),
+        (6, 4, 1, 6),
+        (5, 3, 8, 1),
+        (4, 50, 40, 300),
+    ],
+)
+def test_no_trie_matches_reference(levels, k, beam_width, remain_total):
+    rng = np.random.default_rng(levels * 100 + k)
+    for _ in range(15):
+        tokens, probs, prompt = random_inputs(rng, levels, k, eos_rate=0.3)
+        out = tree_search(
+            tokens, probs, None, prompt, eos_token_id=EOS, beam_width=beam_width, remain_total=remain_total
+        )
+        check_encoding(*out, root=int(prompt[-1]))
+        expected = reference_search(
+            tokens.tolist(), probs.tolist(), prompt.tolist(), beam_width=beam_width, remain_total=remain_total
+        )
+        assert set(node_paths(out[0], out[2])) == expected
+        assert out[0].shape[0] == 1 + len(expected)
+
+
+def test_custom_weights_match_reference():
+    rng = np.random.default_rng(7)
+    tokens, probs, prompt = random_inputs(rng, 5, 9)
+    level_weight = [1.0, 0.2, 0.9, 0.05, 0.7]
+    logit_weight = [0.3, 1.0, 0.5, 2.0, 0.0]
+    for as_type in (list, np.asarray, torch.tensor):
+        out = tree_search(
+            tokens,
+            probs,
+            None,
+            prompt,
+            eos_token_id=EOS,
+            beam_width=4,
+            remain_total=20,
+            level_weight=as_type(level_weight),
+            logit_weight=as_type(logit_weight),
+        )
+        expected = reference_search(
+            tokens.tolist(),
+            probs.tolist(),
+            prompt.tolist(),
+            beam_width=4,
+            remain_total=20,
+            level_weight=level_weight,
+            logit_weight=logit_weight,
+        )
+        assert set(node_paths(out[0], out[2])) == expected
+
+
+def test_eos_paths_go_last_in_the_beam():
+    # Level 0: EOS has by far the best probability but must not enter a beam of width 1.
+    tokens = torch.tensor([[EOS, 10, 11], [20, 21, 22]])
+    probs = torch.tensor([[0.9, 0.06, 0.04], [0.5, 0.3, 0.2]])
+    out = tree_search(tokens, probs, None, [5], eos_token_id=EOS, beam_width=1, remain_total=100)
+    paths = set(node_paths(out[0], out[2]))
+    assert (EOS,) in paths and (10, 20) in paths and (EOS, 20) not in paths
+    assert len(paths) == 6
+    # When only EOS paths remain, they do fill the beam (as the original does).
+    tokens = torch.tensor([[EOS], [20]])
+    out = tree_search(tokens, torch.ones(2, 1), None, [5], eos_token_id=EOS, beam_width=2)
+    assert set(node_paths(out[0], out[2])) == {(EOS,), (EOS, 20)}
+
+
+@pytest.mark.parametrize("order_case", ["default", "first_level", "short_prompt", "weights"])
+def test_with_trie_matches_reference(golden_trie_built, golden_cases, order_case):
+    # Real tokens and a real trie, random probabilities and candidate sets.
+    rng = np.random.default_rng(11)
+    vocab_tokens = sorted({t for case in golden_cases[:50] for row in case["topk_tokens"] for t in row})
+    for case in golden_cases[50:60]:
+        tokens = torch.tensor(np.stack([rng.choice(vocab_tokens, size=12, replace=False) for _ in range(6)]))
+        probs = torch.softmax(torch.tensor(rng.normal(0, 1.5, size=(6, 12))), dim=-1)
+        prompt = case["prompt"][-1:] if order_case == "short_prompt" else case["prompt"]
+        kwargs = dict(beam_width=6, remain_total=30, ngram_on_first_level=order_case == "first_level")
+        if order_case == "weights":
+            kwargs.update(ngram_weight=1.3, level_weight=[1.0] * 6, logit_weight=[0.5] * 6)
+        out = tree_search(tokens, probs, golden_trie_built, prompt, eos_token_id=EOS, **kwargs)
+        check_encoding(*out, root=prompt[-1])
+        expected = reference_search(tokens.tolist(), probs.tolist(), prompt, trie=golden_trie_built, **kwargs)
+        assert set(node_paths(out[0], out[2])) == expected
+
+
+@pytest.mark.parametrize("order", [1, 2, 4])
+def test_other_trie_orders_match_reference(golden_cases, order):
+    # Contexts of order - 1 tokens: none (unigram), the last token only, or three tokens taken from
+    # both the prompt and the path (short prompts included).
+    trie_class = _require_trie_class()
+    with open(FIXTURES / "golden60_docs.json") as f:
+        docs = json.load(f)["docs"][:12]
+    trie = trie_class(order=order)
+    for doc in docs:
+        trie.add_tokens(doc)
+    for index, case in enumerate(golden_cases[100:112]):
+        prompt = case["prompt"][-(index % 4 + 1) :]
+        kwargs = dict(beam_width=8, remain_total=40, ngram_on_first_level=index % 2 == 0)
+        out = tree_search(
+            torch.tensor(case["topk_tokens"]), torch.tensor(case["topk_probs"]), trie, prompt, eos_token_id=EOS,
+            **kwargs,
+        )  # fmt: skip
+        check_encoding(*out, root=prompt[-1])
+        expected = reference_search(case["topk_tokens"], case["topk_probs"], prompt, trie=trie, **kwargs)
+        assert set(node_paths(out[0], out[2])) == expected
+
+
+def test_no_trie_equals_zero_ngram_weight(golden_cases, golden_trie_built):
+    for case in golden_cases[:20]:
+        args = (torch.tensor(case["topk_tokens"]), torch.tensor(case["topk_probs"]))
+        without = tree_search(*args, None, case["prompt"], eos_token_id=EOS)
+        zero_weight = tree_search(
+            *args, golden_trie_built, case["prompt"], eos_token_id=EOS, ngram_weight=0.0
+        )
+        for a, b in zip(without, zero_weight, strict=True):
+            assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding details, dtypes, ties, threads
+
+
+def test_output_order_depth_then_score():
+    tokens = torch.tensor([[10, 11, 12], [20, 21, 22]])
+    probs = torch.tensor([[0.2, 0.7, 0.1], [0.6, 0.3, 0.1]])
+    draft, retrieve, mask, positions, parents = tree_search(
+        tokens,
+        probs,
+        None,
+        [1, 2, 3, 9],
+        eos_token_id=EOS,
+        beam_width=2,
+        remain_total=100,
+        return_parents=True,
+    )
+    assert draft[:4].tolist() == [9, 11, 10, 12]  # root, then level 0 by descending probability
+    assert positions.tolist() == [0, 1, 1, 1] + [2] * 6
+    assert parents[:4].tolist() == [-1, 0, 0, 0]
+    # Level 1 children of 11 (best) come before those of 10, each by descending probability.
+    assert draft[4:].tolist() == [20, 21, 22, 20, 21, 22] and parents[4:].tolist() == [1, 1, 1, 2, 2, 2]
+    assert retrieve.tolist()[0] == [0, 3, -1]
+
+
+def test_input_dtypes_and_containers_agree():
+    rng = np.random.default_rng(3)
+    tokens, probs, prompt = random_inputs(rng, 6, 10)
+    expected = tree_search(tokens, probs, None, prompt, eos_token_id=EOS, beam_width=5, remain_total=25)
+    variants = [
+        (tokens.to(torch.int32), probs, prompt.to(torch.int32)),
+        (tokens.numpy(), probs.numpy(), prompt.numpy()),
+        (tokens, probs.to(torch.float64), prompt.tolist()),
+        (tokens.t().contiguous().t(), probs.t().contiguous().t(), tuple(prompt.tolist())),  # strided
+        (tokens, probs.requires_grad_(True), prompt),
+    ]
+    for variant_tokens, variant_probs, variant_prompt in variants:
+        out = tree_search(
+            variant_tokens,
+            variant_probs,
+            None,
+            variant_prompt,
+            eos_token_id=EOS,
+            beam_width=5,
+            remain_total=25,
+        )
+        for a, b in zip(out, expected, strict=True):
+            assert torch.equal(a, b)
+    # Half precision: converted once; rounding may reorder near-ties, the encoding stays valid.
+    for dtype in (torch.float16, torch.bfloat16):
+        out = tree_search(
+            tokens, probs.detach().to(dtype), None, prompt, eos_token_id=EOS, beam_width=5, remain_total=25
+        )
+        check_encoding(*out, root=int(prompt[-1]))
+        assert out[0].shape == expected[0].shape
+
+
+def test_only_the_prompt_tail_is_read():
+    tokens = torch.tensor([[10, 11], [20, 21]])
+    probs = torch.tensor([[0.6, 0.4], [0.5, 0.5]])
+    long_prompt = list(range(100_000)) + [7]
+    out = tree_search(tokens, probs, None, long_prompt, eos_token_id=EOS)
+    assert int(out[0][0]) == 7
+
+
+def test_ties_still_give_a_tree():
+    # Probability 1.0 -> log term 0 -> children tie with their parent; equal probs tie siblings.
+    tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]])
+    probs = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    for remain_total in range(1, 14):
+        out = tree_search(tokens, probs, None, [5], eos_token_id=EOS, beam_width=4, remain_total=remain_total)
+        check_encoding(*out, root=5)
+        assert out[0].shape[0] == remain_total + 1
+        if remain_total >= 3:
+            assert {(10,), (10, 20), (10, 20, 30)} <= set(node_paths(out[0], out[2]))
+
+
+def test_concurrent_threads_give_identical_results():
+    rng = np.random.default_rng(5)
+    inputs = [random_inputs(rng, 8, 25) for _ in range(8)]
+    expected = [
+        tree_search(tokens, probs, None, prompt, eos_token_id=EOS) for tokens, probs, prompt in inputs
+    ]
+    failures = []
+
+    def worker(offset: int) -> None:
+        for i in range(40):
+            j = (i + offset) % len(inputs)
+            tokens, probs, prompt = inputs[j]
+            out = tree_search(tokens, probs, None, prompt, eos_token_id=EOS)
+            if not all(torch.equal(a, b) for a, b in zip(out, expected[j], strict=True)):
+                failures.append(j)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+def test_concurrent_threads_with_trie(golden_cases, golden_trie_loaded):
+    # The GIL is released during the search: threads really run searches (and trie queries) at once.
+    cases = golden_cases[:16]
+    inputs = [(torch.tensor(c["topk_tokens"]), torch.tensor(c["topk_probs"]), c["prompt"]) for c in cases]
+    expected = [tree_search(t, p, golden_trie_loaded, prompt, eos_token_id=EOS) for t, p, prompt in inputs]
+    failures = []
+
+    def worker(offset: int) -> None:
+        for i in range(48):
+            j = (i + offset) % len(inputs)
+            tokens, probs, prompt = inputs[j]
+            out = tree_search(tokens, probs, golden_trie_loaded, prompt, eos_token_id=EOS)
+            if not all(torch.equal(a, b) for a, b in zip(out, expected[j], strict=True)):
+                failures.append(j)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(topk_probs=torch.full((3, 4), 0.25)), "same shape"),
+        (dict(topk_tokens=torch.tensor([10, 11, 12, 13])), "2-D"),
+        (dict(topk_tokens=torch.zeros((0, 4), dtype=torch.int64), topk_probs=torch.zeros((0, 4))), "level"),
+        (dict(topk_tokens=torch.zeros((2, 0), dtype=torch.int64), topk_probs=torch.zeros((2, 0))), "k >= 1"),
+        (dict(topk_tokens=torch.tensor([[10.0, 11, 12, 13]] * 2)), "integer"),
+        (dict(topk_probs=torch.tensor([[1, 0, 0, 0]] * 2)), "floating"),
+        (dict(topk_tokens=torch.tensor([[10, -1, 12, 13]] * 2)), "-1"),
+        (dict(topk_tokens=torch.tensor([[10, 2**40, 12, 13]] * 2)), "int32"),
+        (
+            dict(topk_tokens=torch.tensor([[10, 11, 12, 13], [14, 15, 14, 17]])),
+            "14 more than once at level 1",
+        ),
+        (dict(topk_probs=torch.tensor([[0.5, 0.5, 0.5, float("nan")]] * 2)), r"\[0, 1\]"),
+        (dict(topk_probs=torch.tensor([[1.5, 0.0, 0.0, 0.0]] * 2)), r"\[0, 1\]"),
+        (dict(prompt_tokens=[]), "empty"),
+        (dict(prompt_tokens=torch.zeros(0, dtype=torch.int64)), "empty"),
+        (dict(prompt_tokens=[1, 2, -5]), "-5"),
+        (dict(prompt_tokens=[1, 2.0]), "ints"),
+        (dict(prompt_tokens=torch.tensor([[1, 2]])), "1-D"),
+        (dict(prompt_tokens=torch.tensor([1.0, 2.0])), "integer"),
+        (dict(prompt_tokens="hello"), "list of ints"),
+        (dict(beam_width=0), "beam_width"),
+        (dict(remain_total=0), "remain_total"),
+        (dict(remain_total=-3), "remain_total"),
+        (dict(ngram_weight=-0.5), "ngram_weight"),
+        (dict(ngram_weight=float("inf")), "ngram_weight"),
+        (dict(eos_token_id=-1), "eos_token_id"),
+        (dict(level_weight=[1.0]), "level_weight"),
+        (dict(logit_weight=[1.0, -1.0]), "logit_weight"),
+        (dict(logit_weight="ab"), "logit_weight"),
+        (dict(vocab_size=12), r"outside \[0, 12\)"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(trie=object()), "NgramTrie"),
+        (dict(topk_tokens=[[10, 11, 12, 13]] * 2), "torch tensors or numpy"),
+    ],
+)
+def test_bad_input_raises_value_error(change, message):
+    args = dict(
+        topk_tokens=torch.tensor([[10, 11, 12, 13], [14, 15, 16, 17]]),
+        topk_probs=torch.full((2, 4), 0.25),
+        trie=None,
+        prompt_tokens=[1, 2, 3],
+        eos_token_id=EOS,
+    )
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        tree_search(
+            args.pop("topk_tokens"),
+            args.pop("topk_probs"),
+            args.pop("trie"),
+            args.pop("prompt_tokens"),
+            **args,
+        )
+
+
+def test_too_large_search_is_rejected():
+    # 3 levels x 2000 candidates with an unbounded beam: 2000 + 4e6 + 8e9 nodes.
+    tokens = torch.arange(2000).repeat(3, 1)
+    with pytest.raises(ValueError, match="nodes"):
+        tree_search(tokens, torch.full((3, 2000), 1 / 2000), None, [1], eos_token_id=EOS, beam_width=10**9)
