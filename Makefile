@@ -23,7 +23,7 @@ $(VENV)/.deps-stamp: pyproject.toml constraints.txt
 
 venv: $(VENV)/.deps-stamp
 
-$(VENV)/.build-stamp: $(VENV)/.deps-stamp $(shell find ngram_builder/csrc dart_infer/csrc csrc CMakeLists.txt -type f 2>/dev/null)
+$(VENV)/.build-stamp: $(VENV)/.deps-stamp $(shell find ngram_builder/csrc dart_infer/csrc csrc CMakeLists.txt pyproject.toml -type f 2>/dev/null)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
