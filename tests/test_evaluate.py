@@ -15,7 +15,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.assets import tokenizer_fingerprint
 from dart_infer.conversations import load_conversations
-from dart_infer.evaluate import METHODS, EvalSettings, Evaluator, chat_prompt, fit_tree, save_results, summarize
+from dart_infer.evaluate import (
+    METHODS,
+    EvalSettings,
+    Evaluator,
+    chat_prompt,
+    fit_tree,
+    save_results,
+    summarize,
+)
 from ngram_builder import NgramTrie
 
 VOCAB = 49152  # SmolLM2's tokenizer drives the chat template, so the tiny target shares its vocabulary
