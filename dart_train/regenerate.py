@@ -1,0 +1,245 @@
+"""Self-distillation data: replace the assistant turns of conversations with the target's own answers.
+
+API:
+- `regenerate(model, tokenizer, conversations, out_path, *, max_new_tokens=512, batch_size=8,
+  temperature=0.0, top_p=1.0, seed=0, max_prompt_tokens=None, keep_truncated=True,
+  template_kwargs=None, model_name=None) -> RegenerateStats`
+  Writes one JSON line per conversation to `out_path` (OpenAI-messages rows
+  `{"id", "messages": [{"role", "content"}], "source", "meta"}`), which
+  `dart_infer.conversations.load_conversations(out_path)` reads back. Resumable: ids already in the
+  file are skipped, and a last line cut by a kill is dropped before appending.
+
+Rule: the new conversation keeps the original's system and user messages in order; after every
+user message the target answers (its chat template with the generation prompt, exactly as served),
+and the original assistant messages are dropped. So prompt-only rows (MT-Bench style, several user
+turns) get answers too. Conversations are batched with left padding; each round generates the next
+answer of every conversation in the batch that still has one to give. Greedy when
+`temperature == 0` (answers equal `model.generate` on each prompt alone, up to batching numerics),
+else sampled with `temperature`/`top_p`; a batch's sampling seed derives from `seed` and its first
+conversation id (reproducible for the same batches). An answer stops at the end-of-turn/EOS token or
+after `max_new_tokens` (counted in `meta["truncated_answers"]`). A cut answer still gets the
+template's end-of-turn token when the data is rendered, one token the target would not have produced
+there (measured on SmolLM2/MT-Bench: every other loss-masked token of greedy regenerated data equals
+the target's argmax); `keep_truncated=False` ends the conversation before a cut answer instead.
+A conversation whose next prompt exceeds `max_prompt_tokens` stops there; one left with no answer is
+skipped and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RegenerateStats:
+    written: int = 0
+    already_done: int = 0
+    skipped_no_user_turn: int = 0
+    skipped_no_answer: int = 0  # prompt over max_prompt_tokens, or only truncated answers dropped
+    answers: int = 0
+    truncated_answers: int = 0
+    generated_tokens: int = 0
+
+
+def _done_ids(path: Path) -> set[str]:
+    """Ids already written; a last line cut off by a kill is removed from the file."""
+    if not path.exists():
+        return set()
+    done: set[str] = set()
+    good_end = 0
+    with open(path, "rb") as f:
+        data = f.read()
+    position = 0
+    while position < len(data):
+        newline = data.find(b"\n", position)
+        if newline < 0:
+            break  # no newline: the last write did not finish
+        line = data[position:newline]
+        if line.strip():
+            try:
+                done.add(str(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(
+                    f"{path} line at byte {position} is not a regenerated conversation; refusing to append to it"
+                ) from None
+        position = newline + 1
+        good_end = position
+    if good_end < len(data):
+        log.warning("%s: dropping an incomplete last line (interrupted run)", path)
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return done
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: set[int] = set()
+    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
+    return sorted(ids)
+
+
+def _batch_seed(seed: int, first_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{first_id}".encode()).digest()[:7], "little")
+
+
+@dataclass
+class _State:
+    conversation: Any
+    pending: list[dict[str, str]]  # original system/user messages not yet placed
+    messages: list[dict[str, str]]
+    truncated: int = 0
+    stopped: bool = False
+
+    def advance(self) -> bool:
+        """Move messages from `pending` up to and including the next user turn; False when none is left."""
+        while self.pending:
+            message = self.pending.pop(0)
+            self.messages.append(message)
+            if message["role"] == "user":
+                return True
+        return False
+
+
+def regenerate(
+    model: Any,
+    tokenizer: Any,
+    conversations: Iterable[Any],
+    out_path: str | os.PathLike[str],
+    *,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_prompt_tokens: int | None = None,
+    keep_truncated: bool = True,
+    template_kwargs: Mapping | None = None,
+    model_name: str | None = None,
+) -> RegenerateStats:
+    """Regenerate every assistant turn with `model` and append the conversations to `out_path` (JSONL)."""
+    from dart_train.data import check_chat_template
+
+    check_chat_template(tokenizer)
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError("max_new_tokens and batch_size must be positive")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = _done_ids(out)
+    eos = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    kwargs = dict(template_kwargs or {})
+    stats = RegenerateStats()
+    device = next(model.parameters()).device
+    generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+
+    todo: list[Any] = []
+    for conversation in conversations:
+        if str(conversation.id) in done:
+            stats.already_done += 1
+            continue
+        if not any(m["role"] == "user" for m in conversation.messages):
+            stats.skipped_no_user_turn += 1
+            continue
+        todo.append(conversation)
+
+    model.eval()
+    with open(out, "a", encoding="utf-8") as sink:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            states = [
+                _State(c, [dict(m) for m in c.messages if m["role"] != "assistant"], []) for c in chunk
+            ]
+            active = [s for s in states if s.advance()]
+            if temperature > 0:
+                torch.manual_seed(_batch_seed(seed, str(chunk[0].id)))
+            while active:
+                prompts = []
+                for state in active:
+                    text = tokenizer.apply_chat_template(
+                        state.messages, tokenize=False, add_generation_prompt=True, **kwargs
+                    )
+                    prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+                runnable = []
+                for state, ids in zip(active, prompts, strict=True):
+                    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                        state.messages.pop()  # drop the unanswered user turn
+                        state.stopped = True
+                    else:
+                        runnable.append((state, ids))
+                if not runnable:
+                    break
+                width = max(len(ids) for _, ids in runnable)
+                input_ids = torch.full((len(runnable), width), pad_id, dtype=torch.long)
+                attention = torch.zeros(len(runnable), width, dtype=torch.long)
+                for row, (_, ids) in enumerate(runnable):
+                    input_ids[row, width - len(ids) :] = torch.tensor(ids)
+                    attention[row, width - len(ids) :] = 1
+                with torch.no_grad():
+                    output = model.generate(
+                        input_ids=input_ids.to(device),
+                        attention_mask=attention.to(device),
+                        max_new_tokens=max_new_tokens,
+                        do_sample=temperature > 0,
+                        temperature=temperature if temperature > 0 else None,
+                        top_p=top_p if temperature > 0 else None,
+                        top_k=None,
+                        eos_token_id=eos,
+                        pad_token_id=pad_id,
+                    )
+                new_tokens = output[:, width:].cpu().tolist()
+                for (state, _), tokens in zip(runnable, new_tokens, strict=True):
+                    stop = next((k for k, t in enumerate(tokens) if t in eos), None)
+                    answer = tokens if stop is None else tokens[:stop]
+                    stats.generated_tokens += len(answer) + (stop is not None)
+                    if stop is None:
+                        state.truncated += 1
+                        if not keep_truncated:  # end the conversation before the cut answer
+                            state.messages.pop()
+                            state.stopped = True
+                            continue
+                    stats.answers += 1
+                    content = tokenizer.decode(answer, skip_special_tokens=True)
+                    state.messages.append({"role": "assistant", "content": content})
+                active = [s for s, _ in runnable if not s.stopped and s.advance()]
+            for state in states:
+                if not any(m["role"] == "assistant" for m in state.messages):
+                    stats.skipped_no_answer += 1
+                    continue
+                conversation = state.conversation
+                row = {
+                    "id": str(conversation.id),
+                    "messages": state.messages,
+                    "source": f"regenerated:{getattr(conversation, 'source', '')}",
+                    "meta": {
+                        **dict(getattr(conversation, "meta", {}) or {}),
+                        "regenerated_by": model_name or getattr(model.config, "_name_or_path", ""),
+                        "generation": generation,
+                        "truncated_answers": state.truncated,
+                        "stopped_early": state.stopped,
+                    },
+                }
+                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+                stats.written += 1
+                stats.truncated_answers += state.truncated
+            sink.flush()
+            os.fsync(sink.fileno())
+            log.info("regenerate: %d/%d conversations written", stats.written, len(todo))
+    return stats
