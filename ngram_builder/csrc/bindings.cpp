@@ -1,8 +1,536 @@
-// Python bindings of the n-gram trie (ngram_builder._core).
+// Python bindings of the n-gram trie (ngram_builder._core). The friendly Python API with path
+// checks lives in ngram_builder/trie.py; this layer converts arguments, validates ids and releases
+// the GIL around heavy work.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <climits>
+#include <mutex>
+#include <thread>
+#include <time.h>
+
+#include "counter.hpp"
+#include "trie.hpp"
 
 namespace py = pybind11;
+using namespace ngb;
+
+namespace {
+
+// Sequence (list/tuple/1-D array) of ints -> int32 vector. Negative ids raise; ids beyond int32
+// cannot be in any trie, so they become INT32_MAX (unseen) for queries.
+std::vector<int32_t> to_ids(py::handle obj, const char* name) {
+  std::vector<int32_t> out;
+  if (py::isinstance<py::array>(obj)) {
+    py::array arr = py::reinterpret_borrow<py::array>(obj);
+    if (arr.ndim() != 1) throw py::value_error(std::string(name) + " must be one-dimensional");
+    if (arr.size() == 0) return out;
+    const char kind = arr.dtype().kind();
+    if (kind != 'i' && kind != 'u') throw py::type_error(std::string(name) + " must hold integer token ids");
+    auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(obj);
+    if (!a) throw py::type_error(std::string(name) + " must hold integer token ids");
+    out.resize(static_cast<size_t>(a.size()));
+    const int64_t* p = a.data();
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (p[i] < 0) throw py::value_error(std::string(name) + " contains a negative token id " + std::to_string(p[i]));
+      out[i] = p[i] > INT32_MAX ? INT32_MAX : static_cast<int32_t>(p[i]);
+    }
+    return out;
+  }
+  PyObject* seq = PySequence_Fast(obj.ptr(), "token ids must be a sequence of ints");
+  if (!seq) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* it = items[i];
+    if (!PyLong_Check(it) || PyBool_Check(it)) {
+      Py_DECREF(seq);
+      throw py::type_error(std::string(name) + " must hold ints (got " + Py_TYPE(it)->tp_name + ")");
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(it, &overflow);
+    if (overflow < 0 || (overflow == 0 && v < 0)) {
+      Py_DECREF(seq);
+      throw py::value_error(std::string(name) + " contains a negative token id");
+    }
+    out[static_cast<size_t>(i)] = (overflow > 0 || v > INT32_MAX) ? INT32_MAX : static_cast<int32_t>(v);
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
+class PyTrie {
+ public:
+  PyTrie(int order, uint64_t vocab_size, std::string fingerprint)
+      : order_(order), vocab_(vocab_size), fp_(std::move(fingerprint)) {
+    if (order < 1 || order > kMaxOrder) throw py::value_error("order must be in 1.." + std::to_string(kMaxOrder));
+    if (vocab_size >= (1ull << 31)) throw py::value_error("vocab_size must be < 2**31");
+    check_fp(fp_);
+    view_ = empty_trie(order, vocab_size, fp_);
+  }
+  explicit PyTrie(std::shared_ptr<TrieView> v)
+      : order_(v->order()), vocab_(v->vocab_size()), fp_(v->fingerprint()), view_(std::move(v)) {}
+
+  static void check_fp(const std::string& fp) {
+    if (fp.size() > kFingerprintMax)
+      throw py::value_error("tokenizer fingerprint longer than " + std::to_string(kFingerprintMax) + " bytes");
+  }
+
+  void add_tokens(py::handle tokens) {
+    std::vector<int32_t> ids = to_ids(tokens, "token_ids");
+    for (int32_t t : ids)
+      if (vocab_ && static_cast<uint64_t>(t) >= vocab_)
+        throw py::value_error("token id " + std::to_string(t) + " is out of range for vocab_size " +
+                              std::to_string(vocab_));
+    if (!pending_) {
+      CounterOptions o;
+      o.order = order_;
+      o.vocab_size = vocab_;
+      pending_ = std::make_unique<SliceCounter>(o);
+    }
+    pending_->add_doc(ids.data(), ids.size());
+    dirty_ = true;
+  }
+
+  // State (view_, pending_) only changes with the GIL held, so the GIL is its lock; queries take a
+  // snapshot of the immutable view and then release the GIL.
+  // Folds pending documents into the frozen image.
+  void freeze() {
+    if (!dirty_) return;
+    auto fresh = view_of(pending_->build("", fp_));
+    pending_.reset();
+    if (view_->num_nodes() == 1 && view_->root_count() == 0) {
+      view_ = fresh;
+    } else {
+      view_ = view_of(merge_tries(*view_, *fresh, "", "", fp_));
+    }
+    dirty_ = false;
+  }
+  std::shared_ptr<TrieView> frozen() {
+    freeze();
+    return view_;
+  }
+
+  py::tuple probability(py::handle context, py::handle tokens) {
+    std::vector<int32_t> ctx = to_ids(context, "context");
+    std::vector<int32_t> tok = to_ids(tokens, "tokens");
+    auto v = frozen();
+    std::vector<float> probs(tok.size());
+    std::vector<int32_t> matched(tok.size());
+    if (!v->probability_checked(ctx.data(), ctx.size(), tok.data(), tok.size(), probs.data(), matched.data()))
+      throw FormatError("corrupt trie data met while answering a query (load with verify=True to check)");
+    py::list p(tok.size()), m(tok.size());
+    for (size_t i = 0; i < tok.size(); ++i) {
+      p[i] = py::float_(static_cast<double>(probs[i]));
+      m[i] = py::int_(matched[i]);
+    }
+    return py::make_tuple(p, m);
+  }
+
+  py::tuple probability_batch(py::handle contexts, py::handle tokens) {
+    py::sequence cs = py::reinterpret_borrow<py::sequence>(contexts);
+    py::sequence ts = py::reinterpret_borrow<py::sequence>(tokens);
+    if (!PySequence_Check(contexts.ptr()) || !PySequence_Check(tokens.ptr()))
+      throw py::type_error("contexts and tokens must be sequences of sequences");
+    const size_t B = py::len(cs);
+    if (py::len(ts) != B) throw py::value_error("contexts and tokens must have the same length");
+    std::vector<std::vector<int32_t>> C(B), T(B);
+    for (size_t b = 0; b < B; ++b) {
+      C[b] = to_ids(cs[b], "contexts[i]");
+      T[b] = to_ids(ts[b], "tokens[i]");
+    }
+    auto v = frozen();
+    std::vector<std::vector<float>> P(B);
+    std::vector<std::vector<int32_t>> M(B);
+    bool ok = true;
+    {
+      py::gil_scoped_release nogil;
+      for (size_t b = 0; b < B; ++b) {
+        P[b].resize(T[b].size());
+        M[b].resize(T[b].size());
+        ok &= v->probability_checked(C[b].data(), C[b].size(), T[b].data(), T[b].size(), P[b].data(), M[b].data());
+      }
+    }
+    if (!ok) throw FormatError("corrupt trie data met while answering a query (load with verify=True to check)");
+    py::list outp(B), outm(B);
+    for (size_t b = 0; b < B; ++b) {
+      py::list p(P[b].size()), m(P[b].size());
+      for (size_t i = 0; i < P[b].size(); ++i) {
+        p[i] = py::float_(static_cast<double>(P[b][i]));
+        m[i] = py::int_(M[b][i]);
+      }
+      outp[b] = p;
+      outm[b] = m;
+    }
+    return py::make_tuple(outp, outm);
+  }
+
+  // contexts [B, C] (row b uses its first lengths[b] entries; all C when lengths is None),
+  // tokens [B, K] -> (float32 [B, K], int32 [B, K]).
+  py::tuple probability_array(py::array_t<int32_t, py::array::c_style | py::array::forcecast> contexts,
+                              py::object lengths_obj,
+                              py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
+    if (contexts.ndim() != 2 || tokens.ndim() != 2) throw py::value_error("contexts and tokens must be 2-D arrays");
+    const size_t B = static_cast<size_t>(contexts.shape(0)), Cw = static_cast<size_t>(contexts.shape(1));
+    const size_t K = static_cast<size_t>(tokens.shape(1));
+    if (static_cast<size_t>(tokens.shape(0)) != B) throw py::value_error("contexts and tokens need the same rows");
+    std::vector<int64_t> lens(B, static_cast<int64_t>(Cw));
+    if (!lengths_obj.is_none()) {
+      auto l = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(lengths_obj);
+      if (!l || l.ndim() != 1 || static_cast<size_t>(l.size()) != B)
+        throw py::value_error("context_lengths must be a 1-D array with one entry per row");
+      for (size_t b = 0; b < B; ++b) {
+        if (l.data()[b] < 0 || static_cast<size_t>(l.data()[b]) > Cw)
+          throw py::value_error("context_lengths out of range");
+        lens[b] = l.data()[b];
+      }
+    }
+    const int32_t* cp = contexts.data();
+    const int32_t* tp = tokens.data();
+    for (size_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < lens[b]; ++j)
+        if (cp[b * Cw + static_cast<size_t>(j)] < 0) throw py::value_error("contexts contain a negative token id");
+    for (size_t i = 0; i < B * K; ++i)
+      if (tp[i] < 0) throw py::value_error("tokens contain a negative token id");
+    auto v = frozen();
+    py::array_t<float> probs({B, K});
+    py::array_t<int32_t> matched({B, K});
+    float* pp = probs.mutable_data();
+    int32_t* mp = matched.mutable_data();
+    bool ok = true;
+    {
+      py::gil_scoped_release nogil;
+      // Large batches are split over threads (queries are independent and read-only).
+      const size_t hw = std::max(1u, std::thread::hardware_concurrency());
+      const size_t n_threads = B >= 2048 ? std::min<size_t>(hw, 8) : 1;
+      std::vector<char> part_ok(n_threads, 1);
+      auto work = [&](size_t t) {
+        const size_t lo = B * t / n_threads, hi = B * (t + 1) / n_threads;
+        for (size_t b = lo; b < hi; ++b)
+          if (!v->probability_checked(cp + b * Cw, static_cast<size_t>(lens[b]), tp + b * K, K, pp + b * K, mp + b * K))
+            part_ok[t] = 0;
+      };
+      std::vector<std::thread> pool;
+      for (size_t t = 1; t < n_threads; ++t) pool.emplace_back(work, t);
+      work(0);
+      for (auto& th : pool) th.join();
+      for (char c : part_ok) ok = ok && c;
+    }
+    if (!ok) throw FormatError("corrupt trie data met while answering a query (load with verify=True to check)");
+    return py::make_tuple(probs, matched);
+  }
+
+  // Nanoseconds per probability() call over `repeats` passes of the given queries, measured in C++
+  // with no Python in the loop (what the tree search pays per lookup): (wall, thread CPU time).
+  // CPU time is what to compare on a shared, oversubscribed machine.
+  py::tuple bench_queries(py::array_t<int32_t, py::array::c_style | py::array::forcecast> contexts,
+                          py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int repeats) {
+    if (contexts.ndim() != 2 || tokens.ndim() != 2 || contexts.shape(0) != tokens.shape(0))
+      throw py::value_error("contexts [B, C] and tokens [B, K] expected");
+    auto v = frozen();
+    const size_t B = static_cast<size_t>(contexts.shape(0)), Cw = static_cast<size_t>(contexts.shape(1));
+    const size_t K = static_cast<size_t>(tokens.shape(1));
+    std::vector<float> p(K);
+    std::vector<int32_t> m(K);
+    const int32_t* cp = contexts.data();
+    const int32_t* tp = tokens.data();
+    auto cpu_now = [] {
+      timespec ts{};
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+      return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
+    };
+    double wall_ns, cpu_ns;
+    {
+      py::gil_scoped_release nogil;
+      const double c0 = cpu_now();
+      auto t0 = std::chrono::steady_clock::now();
+      volatile float sink = 0;
+      for (int r = 0; r < repeats; ++r)
+        for (size_t b = 0; b < B; ++b) {
+          v->probability(cp + b * Cw, Cw, tp + b * K, K, p.data(), m.data());
+          sink = sink + p[0];
+        }
+      auto t1 = std::chrono::steady_clock::now();
+      wall_ns = std::chrono::duration<double, std::nano>(t1 - t0).count();
+      cpu_ns = cpu_now() - c0;
+    }
+    const double calls = static_cast<double>(B) * repeats;
+    return py::make_tuple(wall_ns / calls, cpu_ns / calls);
+  }
+
+  void merge(PyTrie& other) {
+    if (&other == this) {
+      auto v = frozen();
+      view_ = view_of(merge_tries(*v, *v, "", "", fp_));
+      return;
+    }
+    auto b = other.frozen();
+    auto a = frozen();
+    if (a->order() != b->order())
+      throw py::value_error("cannot merge tries of different order (" + std::to_string(a->order()) + " vs " +
+                            std::to_string(b->order()) + ")");
+    view_ = view_of(merge_tries(*a, *b, "", "", fp_));
+    vocab_ = std::max(vocab_, view_->vocab_size());
+  }
+
+  std::unique_ptr<PyTrie> prune(uint64_t min_count, const std::string& out_path, const std::string& spill_dir) {
+    auto v = frozen();
+    std::shared_ptr<Image> img;
+    {
+      py::gil_scoped_release nogil;
+      img = prune_trie(*v, min_count, out_path, spill_dir);
+    }
+    if (!img) img = Image::map_file(out_path);
+    return std::make_unique<PyTrie>(
+        std::make_shared<TrieView>(img, false, out_path.empty() ? "pruned trie" : "'" + out_path + "'"));
+  }
+
+  void save(const std::string& path) {
+    auto v = frozen();
+    py::gil_scoped_release nogil;
+    save_compact(*v, path, fp_);
+  }
+  void save_dart_file(const std::string& path) {
+    auto v = frozen();
+    py::gil_scoped_release nogil;
+    ngb::save_dart(*v, path);
+  }
+  static std::unique_ptr<PyTrie> load(const std::string& path, bool verify) {
+    std::shared_ptr<TrieView> v;
+    {
+      py::gil_scoped_release nogil;
+      v = std::make_shared<TrieView>(Image::map_file(path), verify, "'" + path + "'");
+    }
+    return std::make_unique<PyTrie>(v);
+  }
+  static std::unique_ptr<PyTrie> load_dart_file(const std::string& path, uint64_t vocab_size, const std::string& fp) {
+    check_fp(fp);
+    std::shared_ptr<Image> img;
+    {
+      py::gil_scoped_release nogil;
+      img = ngb::load_dart(path, vocab_size, fp);
+    }
+    return std::make_unique<PyTrie>(view_of(img));
+  }
+  void verify() {
+    auto v = frozen();
+    py::gil_scoped_release nogil;
+    TrieView(v->image(), true, "trie");
+  }
+
+  py::list top_continuations(py::handle context, size_t k) {
+    std::vector<int32_t> ctx = to_ids(context, "context");
+    auto v = frozen();
+    if (ctx.size() >= static_cast<size_t>(v->order()))
+      throw py::value_error("context must be shorter than the order (" + std::to_string(v->order()) + ")");
+    uint64_t node = 0;
+    bool ok = true;
+    py::list out;
+    if (!v->find_path(ctx.data(), ctx.size(), node, ok)) return out;
+    const int lvl = static_cast<int>(ctx.size());
+    const uint64_t total = lvl == 0 ? v->root_count() : v->count(lvl, node);
+    uint64_t s, e;
+    v->children(lvl, node, s, e);
+    std::vector<std::pair<uint64_t, uint32_t>> kids;
+    for (uint64_t c = s; c < e; ++c) kids.emplace_back(v->count(lvl + 1, c), v->token(lvl + 1, c));
+    const size_t take = std::min(k, kids.size());
+    std::partial_sort(kids.begin(), kids.begin() + static_cast<std::ptrdiff_t>(take), kids.end(),
+                      [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+    for (size_t i = 0; i < take; ++i)
+      out.append(py::make_tuple(kids[i].second, kids[i].first,
+                                total ? static_cast<double>(kids[i].first) / static_cast<double>(total) : 0.0));
+    return out;
+  }
+
+  py::object capsule() {
+    auto v = frozen();
+    auto* holder = new std::shared_ptr<TrieView>(v);
+    const dart::NgramQuery* q = holder->get();
+    PyObject* cap = PyCapsule_New(const_cast<dart::NgramQuery*>(q), DART_NGRAM_QUERY_CAPSULE, [](PyObject* c) {
+      delete static_cast<std::shared_ptr<TrieView>*>(PyCapsule_GetContext(c));
+    });
+    if (!cap) {
+      delete holder;
+      throw py::error_already_set();
+    }
+    if (PyCapsule_SetContext(cap, holder) != 0) {
+      Py_DECREF(cap);
+      delete holder;
+      throw py::error_already_set();
+    }
+    return py::reinterpret_steal<py::object>(cap);
+  }
+
+  py::dict info() {
+    auto v = frozen();
+    const Header& h = v->header();
+    py::dict d;
+    d["format_version"] = h.version;
+    d["order"] = h.order;
+    d["vocab_size"] = h.vocab_size;
+    d["token_bytes"] = h.token_bytes;
+    d["num_nodes"] = h.num_nodes;
+    d["root_count"] = h.root_count;
+    d["file_bytes"] = h.file_size;
+    d["ram_bytes"] = v->ram_bytes();
+    d["tokenizer_fingerprint"] = fp_;
+    d["memory_mapped"] = v->image()->mapped();
+    py::list levels;
+    for (int k = 1; k <= v->order(); ++k) {
+      py::dict L;
+      L["nodes"] = v->level(k).n;
+      L["count_bytes"] = v->level(k).count_bytes;
+      L["escaped_counts"] = v->level(k).n_esc;
+      L["child_offset_bytes"] = k < v->order() ? v->level(k).child_bytes : 0;
+      levels.append(L);
+    }
+    d["levels"] = levels;
+    return d;
+  }
+
+  int order() const { return order_; }
+  uint64_t num_nodes() { return frozen()->num_nodes(); }
+  uint64_t vocab_size() { return frozen()->vocab_size(); }
+  uint64_t image_bytes() { return frozen()->image()->size(); }
+  uint64_t ram_bytes() { return frozen()->ram_bytes(); }
+  const std::string& fingerprint() const { return fp_; }
+  void set_fingerprint(const std::string& fp) {
+    check_fp(fp);
+    fp_ = fp;
+  }
+
+ private:
+  int order_;
+  uint64_t vocab_;
+  std::string fp_;
+  std::shared_ptr<TrieView> view_;
+  std::unique_ptr<SliceCounter> pending_;
+  bool dirty_ = false;
+};
+
+class PyCounter {
+ public:
+  PyCounter(int order, uint64_t vocab_size, uint64_t memory_cap, const std::string& spill_dir, int threads) {
+    CounterOptions o;
+    o.order = order;
+    o.vocab_size = vocab_size;
+    o.memory_cap = memory_cap;
+    o.spill_dir = spill_dir;
+    o.threads = threads;
+    c_ = std::make_unique<SliceCounter>(o);
+  }
+  void add_tokens(py::handle tokens) {
+    std::vector<int32_t> ids = to_ids(tokens, "token_ids");
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);  // taken without the GIL: no lock-order inversion
+    c_->add_doc(ids.data(), ids.size());
+  }
+  // Many documents at once: flat int32 ids + int64 offsets (n_docs + 1). GIL released.
+  void add_flat(py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids,
+                py::array_t<int64_t, py::array::c_style | py::array::forcecast> offsets) {
+    if (ids.ndim() != 1 || offsets.ndim() != 1 || offsets.size() < 1)
+      throw py::value_error("ids must be 1-D and offsets 1-D with n_docs + 1 entries");
+    const int64_t* o = offsets.data();
+    const int64_t n = static_cast<int64_t>(ids.size());
+    if (o[0] != 0 || o[offsets.size() - 1] != n) throw py::value_error("offsets must start at 0 and end at len(ids)");
+    for (py::ssize_t i = 1; i < offsets.size(); ++i)
+      if (o[i] < o[i - 1]) throw py::value_error("offsets must be non-decreasing");
+    const int32_t* p = ids.data();
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (py::ssize_t i = 0; i + 1 < offsets.size(); ++i)
+      c_->add_doc(p + o[i], static_cast<size_t>(o[i + 1] - o[i]));
+  }
+  py::object build(const std::string& out_path, const std::string& fingerprint) {
+    PyTrie::check_fp(fingerprint);
+    std::shared_ptr<Image> img;
+    {
+      py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      img = c_->build(out_path, fingerprint);
+    }
+    if (!img) return py::none();
+    return py::cast(std::make_unique<PyTrie>(view_of(img)));
+  }
+  uint64_t tokens() const { return c_->tokens(); }
+  uint64_t docs() const { return c_->docs(); }
+  uint64_t max_token_id() const { return c_->max_token_limit(); }
+
+ private:
+  std::unique_ptr<SliceCounter> c_;
+  std::mutex mu_;
+};
+
+}  // namespace
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "C++ core of ngram_builder: n-gram trie build, prune, merge, formats and queries";
+  static py::exception<FormatError> format_error(m, "NgramFormatError", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const FormatError& e) {
+      py::set_error(format_error, e.what());
+    } catch (const IoError& e) {
+      py::set_error(PyExc_OSError, e.what());
+    }
+  });
+  m.attr("FORMAT_VERSION") = kVersion;
+  m.attr("MAX_ORDER") = kMaxOrder;
+  m.attr("FINGERPRINT_MAX_BYTES") = kFingerprintMax;
+  m.attr("CAPSULE_NAME") = DART_NGRAM_QUERY_CAPSULE;
+
+  py::class_<PyTrie>(m, "Trie")
+      .def(py::init<int, uint64_t, std::string>(), py::arg("order") = 3, py::arg("vocab_size") = 0,
+           py::arg("fingerprint") = "")
+      .def("add_tokens", &PyTrie::add_tokens)
+      .def("probability", &PyTrie::probability)
+      .def("probability_batch", &PyTrie::probability_batch)
+      .def("probability_array", &PyTrie::probability_array)
+      .def("bench_queries", &PyTrie::bench_queries)
+      .def("merge", &PyTrie::merge)
+      .def("prune", &PyTrie::prune, py::arg("min_count"), py::arg("out_path") = "", py::arg("spill_dir") = "")
+      .def("save", &PyTrie::save)
+      .def("save_dart", &PyTrie::save_dart_file)
+      .def_static("load", &PyTrie::load, py::arg("path"), py::arg("verify") = false)
+      .def_static("load_dart", &PyTrie::load_dart_file, py::arg("path"), py::arg("vocab_size") = 0,
+                  py::arg("fingerprint") = "")
+      .def("verify", &PyTrie::verify)
+      .def("top_continuations", &PyTrie::top_continuations)
+      .def("ngram_query_capsule", &PyTrie::capsule)
+      .def("info", &PyTrie::info)
+      .def_property_readonly("order", &PyTrie::order)
+      .def_property_readonly("num_nodes", &PyTrie::num_nodes)
+      .def_property_readonly("vocab_size", &PyTrie::vocab_size)
+      .def_property_readonly("image_bytes", &PyTrie::image_bytes)
+      .def_property_readonly("ram_bytes", &PyTrie::ram_bytes)
+      .def_property("fingerprint", &PyTrie::fingerprint, &PyTrie::set_fingerprint);
+
+  // Consumer side of the capsule, as the tree search uses it (for tests of the capsule contract).
+  m.def("query_capsule", [](py::capsule cap, py::handle context, py::handle tokens) {
+    if (std::string(cap.name() ? cap.name() : "") != DART_NGRAM_QUERY_CAPSULE)
+      throw py::value_error("not a " DART_NGRAM_QUERY_CAPSULE " capsule");
+    const auto* q = static_cast<const dart::NgramQuery*>(cap.get_pointer());
+    std::vector<int32_t> ctx = to_ids(context, "context"), tok = to_ids(tokens, "tokens");
+    std::vector<float> p(tok.size());
+    std::vector<int32_t> mt(tok.size());
+    {
+      py::gil_scoped_release nogil;
+      q->probability(ctx.data(), ctx.size(), tok.data(), tok.size(), p.data(), mt.data());
+    }
+    return py::make_tuple(std::vector<double>(p.begin(), p.end()), mt, q->order());
+  });
+
+  py::class_<PyCounter>(m, "SliceCounter")
+      .def(py::init<int, uint64_t, uint64_t, const std::string&, int>(), py::arg("order") = 3,
+           py::arg("vocab_size") = 0, py::arg("memory_cap") = 0, py::arg("spill_dir") = "", py::arg("threads") = 1)
+      .def("add_tokens", &PyCounter::add_tokens)
+      .def("add_flat", &PyCounter::add_flat)
+      .def("build", &PyCounter::build, py::arg("out_path") = "", py::arg("fingerprint") = "")
+      .def_property_readonly("tokens", &PyCounter::tokens)
+      .def_property_readonly("docs", &PyCounter::docs)
+      .def_property_readonly("max_token_id", &PyCounter::max_token_id);
 }

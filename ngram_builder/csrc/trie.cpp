@@ -1,0 +1,1077 @@
+// Compact trie image: mapping, validation, queries, the streaming builder, merge and prune.
+#include "trie.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace ngb {
+
+// ---------------------------------------------------------------------------------------------
+// Image
+
+std::shared_ptr<Image> Image::from_memory(std::vector<uint64_t>&& words, uint64_t size) {
+  std::shared_ptr<Image> img(new Image());
+  img->words_ = std::move(words);
+  img->data_ = reinterpret_cast<const uint8_t*>(img->words_.data());
+  img->size_ = size;
+  return img;
+}
+
+std::shared_ptr<Image> Image::map_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw IoError("cannot open '" + path + "': " + std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw IoError("'" + path + "' is not a regular file");
+  }
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < kHeaderBytes) {
+    ::close(fd);
+    throw FormatError("'" + path + "' is too small to be a compact n-gram trie (" + std::to_string(size) +
+                      " bytes)");
+  }
+  void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) throw IoError("cannot map '" + path + "': " + std::strerror(errno));
+  std::shared_ptr<Image> img(new Image());
+  img->map_ = p;
+  img->map_len_ = size;
+  img->data_ = static_cast<const uint8_t*>(p);
+  img->size_ = size;
+  return img;
+}
+
+Image::~Image() {
+  if (map_) munmap(map_, map_len_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// TrieView
+
+namespace {
+inline uint64_t read_uint(const uint8_t* p, uint32_t width, uint64_t i) {
+  switch (width) {
+    case 1:
+      return p[i];
+    case 2: {
+      uint16_t v;
+      std::memcpy(&v, p + i * 2, 2);
+      return v;
+    }
+    case 4: {
+      uint32_t v;
+      std::memcpy(&v, p + i * 4, 4);
+      return v;
+    }
+    default: {
+      uint64_t v;
+      std::memcpy(&v, p + i * 8, 8);
+      return v;
+    }
+  }
+}
+inline uint64_t sentinel(uint32_t width) { return width >= 8 ? UINT64_MAX : ((1ull << (8 * width)) - 1); }
+
+template <class TT>
+inline bool search_tokens(const uint8_t* base, uint64_t s, uint64_t e, uint32_t tok, uint64_t& out) {
+  const TT* a = reinterpret_cast<const TT*>(base);
+  // Branch-light lower bound over [s, e).
+  uint64_t lo = s, len = e - s;
+  while (len > 0) {
+    uint64_t half = len / 2;
+    TT v;
+    std::memcpy(&v, a + lo + half, sizeof(TT));
+    if (v < tok) {
+      lo += half + 1;
+      len -= half + 1;
+    } else {
+      len = half;
+    }
+  }
+  if (lo < e) {
+    TT v;
+    std::memcpy(&v, a + lo, sizeof(TT));
+    if (v == tok) {
+      out = lo;
+      return true;
+    }
+  }
+  return false;
+}
+}  // namespace
+
+TrieView::TrieView(std::shared_ptr<Image> image, bool verify, const std::string& what)
+    : image_(std::move(image)) {
+  const uint8_t* d = image_->data();
+  const uint64_t size = image_->size();
+  if (size < kHeaderBytes)
+    throw FormatError(what + ": too small to be a compact n-gram trie (" + std::to_string(size) + " bytes)");
+  std::memcpy(&hdr_, d, sizeof(Header));
+  if (std::memcmp(hdr_.magic, kMagic, 8) != 0) {
+    uint64_t first;
+    std::memcpy(&first, d, 8);
+    std::string hint = (first >= 1 && first <= 64) ? " (it looks like an original DART .trie: use load_dart)" : "";
+    throw FormatError(what + ": not a compact n-gram trie (bad magic)" + hint);
+  }
+  if (hdr_.version != kVersion)
+    throw FormatError(what + ": unsupported format version " + std::to_string(hdr_.version) + " (this build reads " +
+                      std::to_string(kVersion) + ")");
+  if (hdr_.header_bytes != kHeaderBytes) throw FormatError(what + ": bad header size");
+  if (hdr_.order < 1 || hdr_.order > static_cast<uint32_t>(kMaxOrder))
+    throw FormatError(what + ": bad order " + std::to_string(hdr_.order));
+  if (hdr_.vocab_size > (1ull << 31)) throw FormatError(what + ": bad vocabulary size");
+  const uint32_t want_tb = hdr_.vocab_size <= 65536 ? 2 : 4;
+  if (hdr_.token_bytes != want_tb) throw FormatError(what + ": bad token width");
+  if (hdr_.fingerprint_len > kFingerprintMax) throw FormatError(what + ": bad fingerprint length");
+  const int order = static_cast<int>(hdr_.order);
+  if (hdr_.num_sections != expected_sections(order)) throw FormatError(what + ": bad section count");
+  if (hdr_.file_size != size)
+    throw FormatError(what + ": size mismatch (header says " + std::to_string(hdr_.file_size) + " bytes, file has " +
+                      std::to_string(size) + "; truncated or extended)");
+  const uint64_t table_end = kHeaderBytes + static_cast<uint64_t>(hdr_.num_sections) * sizeof(Section);
+  if (table_end > size) throw FormatError(what + ": truncated section table");
+  std::vector<Section> table(hdr_.num_sections);
+  std::memcpy(table.data(), d + kHeaderBytes, table.size() * sizeof(Section));
+  if (header_checksum(hdr_, table.data(), table.size()) != hdr_.header_checksum)
+    throw FormatError(what + ": header checksum mismatch (corrupt file)");
+
+  // Re-derive the layout from the per-level shape and require the table to match it exactly.
+  std::vector<LevelShape> shape(order + 1);
+  size_t si = 0;
+  for (int k = 1; k <= order; ++k) {
+    const Section& t = table[si];
+    const Section& c = table[si + 1];
+    const Section& e = table[si + 2];
+    shape[k].n = t.count;
+    shape[k].count_bytes = c.elem_bytes;
+    shape[k].n_esc = e.count;
+    if (c.elem_bytes != 1 && c.elem_bytes != 2 && c.elem_bytes != 4 && c.elem_bytes != 8)
+      throw FormatError(what + ": bad count width");
+    si += 4;
+    if (k < order) {
+      shape[k].child_bytes = table[si].elem_bytes;
+      if (shape[k].child_bytes != 4 && shape[k].child_bytes != 8) throw FormatError(what + ": bad offset width");
+      ++si;
+    }
+  }
+  if (order >= 2) shape[2].hash_slots = table[si].count;
+  std::vector<Section> expect;
+  uint64_t expect_size = compute_layout(order, hdr_.token_bytes, shape, expect);
+  if (expect_size != size || expect.size() != table.size())
+    throw FormatError(what + ": section table inconsistent with file size");
+  for (size_t i = 0; i < table.size(); ++i) {
+    const Section& a = table[i];
+    const Section& b = expect[i];
+    const bool reserved_ok = a.kind == kHash ? a.reserved <= a.count : a.reserved == 0;
+    if (a.level != b.level || a.kind != b.kind || a.elem_bytes != b.elem_bytes || a.offset != b.offset ||
+        a.count != b.count || !reserved_ok)
+      throw FormatError(what + ": section table entry " + std::to_string(i) + " is inconsistent");
+  }
+  uint64_t nodes = 1;
+  for (int k = 1; k <= order; ++k) {
+    if (shape[k].n > size) throw FormatError(what + ": bad level size");
+    nodes += shape[k].n;
+  }
+  if (nodes != hdr_.num_nodes) throw FormatError(what + ": node count mismatch");
+
+  lv_.assign(order + 2, LevelView{});
+  si = 0;
+  for (int k = 1; k <= order; ++k) {
+    LevelView& L = lv_[k];
+    L.n = shape[k].n;
+    L.tokens = d + table[si].offset;
+    L.counts = d + table[si + 1].offset;
+    L.count_bytes = shape[k].count_bytes;
+    L.esc_idx = reinterpret_cast<const uint64_t*>(d + table[si + 2].offset);
+    L.esc_val = reinterpret_cast<const uint64_t*>(d + table[si + 3].offset);
+    L.n_esc = shape[k].n_esc;
+    si += 4;
+    if (k < order) {
+      L.child = d + table[si].offset;
+      L.child_bytes = shape[k].child_bytes;
+      ++si;
+    }
+  }
+  if (order >= 2) {
+    const Section& h = table[si];
+    hash_slots_ = h.count;
+    hash_max_probe_ = h.reserved;
+    hash_ = d + h.offset;
+    if (hash_slots_ && (hash_slots_ < lv_[2].n || lv_[2].n >= kHashEmpty))
+      throw FormatError(what + ": hash table too small for level 2");
+  }
+  // Cheap structural checks: child arrays span exactly the next level; level 1 sorted, in vocab.
+  for (int k = 1; k < order; ++k) {
+    if (child_at(lv_[k], 0) != 0 || child_at(lv_[k], lv_[k].n) != lv_[k + 1].n)
+      throw FormatError(what + ": child offsets of level " + std::to_string(k) + " are inconsistent");
+  }
+  if (lv_[1].n > hdr_.vocab_size) throw FormatError(what + ": more unigrams than vocabulary entries");
+  const bool dense = hdr_.vocab_size <= (1ull << 27);
+  if (dense) dense1_.assign(hdr_.vocab_size, 0);
+  int64_t prev = -1;
+  for (uint64_t i = 0; i < lv_[1].n; ++i) {
+    uint32_t t = token_at(lv_[1], i);
+    if (static_cast<int64_t>(t) <= prev || t >= hdr_.vocab_size)
+      throw FormatError(what + ": level-1 tokens unsorted or out of vocabulary");
+    prev = t;
+    if (dense) dense1_[t] = static_cast<uint32_t>(i + 1);
+  }
+  if (verify) full_verify(what);
+}
+
+void TrieView::full_verify(const std::string& what) const {
+  const uint8_t* d = image_->data();
+  const uint64_t start = align_up(kHeaderBytes + static_cast<uint64_t>(hdr_.num_sections) * sizeof(Section));
+  Hasher h;
+  h.update(d + start, image_->size() - start);
+  if (h.digest() != hdr_.payload_checksum) throw FormatError(what + ": payload checksum mismatch (corrupt file)");
+  const int order = static_cast<int>(hdr_.order);
+  if (hash_slots_) {
+    uint64_t used = 0;
+    for (uint64_t i = 0; i < hash_slots_; ++i) {
+      uint32_t j;
+      std::memcpy(&j, hash_ + i * 4, 4);
+      if (j == kHashEmpty) continue;
+      if (j >= lv_[2].n) throw FormatError(what + ": hash slot out of range");
+      ++used;
+    }
+    if (used != lv_[2].n) throw FormatError(what + ": hash table does not index every level-2 node");
+    for (uint64_t p = 0; p < lv_[1].n; ++p) {
+      const uint64_t s = child_at(lv_[1], p), e = child_at(lv_[1], p + 1);
+      if (s > e || e > lv_[2].n) throw FormatError(what + ": bad child offsets on level 1");
+      for (uint64_t j = s; j < e; ++j)
+        if (hash_find(token_at(lv_[1], p), token_at(lv_[2], j), s, e) != j) throw FormatError(what + ": hash table misses a node");
+    }
+  }
+  for (int k = 1; k <= order; ++k) {
+    const LevelView& L = lv_[k];
+    // Escapes: strictly increasing, pointing at sentinel slots, one per sentinel.
+    const uint64_t sent = sentinel(L.count_bytes);
+    uint64_t n_sent = 0;
+    if (L.count_bytes < 8)
+      for (uint64_t i = 0; i < L.n; ++i) n_sent += read_uint(L.counts, L.count_bytes, i) == sent;
+    if (n_sent != L.n_esc) throw FormatError(what + ": escape table size mismatch on level " + std::to_string(k));
+    for (uint64_t j = 0; j < L.n_esc; ++j) {
+      uint64_t idx, val;
+      std::memcpy(&idx, L.esc_idx + j, 8);
+      std::memcpy(&val, L.esc_val + j, 8);
+      if (idx >= L.n || (j > 0 && idx <= L.esc_idx[j - 1]) || read_uint(L.counts, L.count_bytes, idx) != sent ||
+          val < sent)
+        throw FormatError(what + ": bad escape entry on level " + std::to_string(k));
+    }
+    if (k < order) {
+      const LevelView& N = lv_[k + 1];
+      uint64_t prev_end = 0;
+      for (uint64_t i = 0; i < L.n; ++i) {
+        uint64_t s = child_at(L, i), e = child_at(L, i + 1);
+        if (s != prev_end || e < s || e > N.n) throw FormatError(what + ": bad child offsets on level " + std::to_string(k));
+        prev_end = e;
+        int64_t p = -1;
+        for (uint64_t c = s; c < e; ++c) {
+          uint32_t t = token_at(N, c);
+          if (static_cast<int64_t>(t) <= p || t >= hdr_.vocab_size)
+            throw FormatError(what + ": tokens unsorted or out of vocabulary on level " + std::to_string(k + 1));
+          p = t;
+        }
+      }
+    }
+  }
+}
+
+uint64_t TrieView::ram_bytes() const { return image_->size() + dense1_.size() * sizeof(uint32_t); }
+
+uint64_t TrieView::count_checked(int k, uint64_t i, bool& ok) const {
+  const LevelView& L = lv_[k];
+  uint64_t v = read_uint(L.counts, L.count_bytes, i);
+  if (L.count_bytes == 8 || v != sentinel(L.count_bytes)) return v;
+  uint64_t lo = 0, hi = L.n_esc;
+  while (lo < hi) {
+    uint64_t mid = (lo + hi) / 2;
+    uint64_t x;
+    std::memcpy(&x, L.esc_idx + mid, 8);
+    if (x < i)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  uint64_t x = 0;
+  if (lo < L.n_esc) std::memcpy(&x, L.esc_idx + lo, 8);
+  if (lo >= L.n_esc || x != i) {
+    ok = false;
+    return 0;
+  }
+  std::memcpy(&x, L.esc_val + lo, 8);
+  return x;
+}
+
+uint64_t TrieView::hash_probe(uint64_t i, uint32_t tok, uint64_t s, uint64_t e) const {
+  for (uint64_t probe = 0; probe < hash_max_probe_; ++probe) {
+    uint32_t j;
+    std::memcpy(&j, hash_ + i * 4, 4);
+    if (j == kHashEmpty) return UINT64_MAX;
+    // Range first: entries of other parents are rejected without touching the token array.
+    if (j >= s && j < e && token_at(lv_[2], j) == tok) return j;
+    if (++i == hash_slots_) i = 0;
+  }
+  return UINT64_MAX;
+}
+
+// Child ranges below this size are searched directly (a few cache lines), larger ones hashed.
+constexpr uint64_t kHashMinRange = 48;
+
+bool TrieView::find_child(int k, uint64_t i, int64_t tok, uint64_t& out, bool& ok) const {
+  if (tok < 0 || static_cast<uint64_t>(tok) >= hdr_.vocab_size || k >= static_cast<int>(hdr_.order)) return false;
+  const uint32_t t = static_cast<uint32_t>(tok);
+  uint64_t s, e;
+  if (k == 0) {
+    if (!dense1_.empty()) {
+      uint32_t idx = dense1_[t];
+      if (!idx) return false;
+      out = idx - 1;
+      return true;
+    }
+    s = 0;
+    e = lv_[1].n;
+  } else {
+    const LevelView& L = lv_[k];
+    s = child_at(L, i);
+    e = child_at(L, i + 1);
+    if (s > e || e > lv_[k + 1].n) {
+      ok = false;
+      return false;
+    }
+    if (k == 1 && hash_slots_ && e - s >= kHashMinRange) {
+      const uint64_t j = hash_find(token_at(lv_[1], i), static_cast<uint32_t>(tok), s, e);
+      if (j == UINT64_MAX) return false;
+      out = j;
+      return true;
+    }
+  }
+  if (hdr_.token_bytes == 2) {
+    if (t > 0xFFFF) return false;
+    return search_tokens<uint16_t>(lv_[k + 1].tokens, s, e, t, out);
+  }
+  return search_tokens<uint32_t>(lv_[k + 1].tokens, s, e, t, out);
+}
+
+bool TrieView::find_path(const int32_t* ctx, size_t len, uint64_t& node, bool& ok) const {
+  uint64_t cur = 0;
+  for (size_t j = 0; j < len; ++j) {
+    uint64_t nxt;
+    if (!find_child(static_cast<int>(j), cur, ctx[j], nxt, ok)) return false;
+    cur = nxt;
+  }
+  node = cur;
+  return true;
+}
+
+namespace {
+constexpr uint64_t kNone = UINT64_MAX;
+constexpr size_t kBlock = 64;
+
+// Lower bounds of many keys in one sorted range, advanced in lockstep: every candidate of a query
+// searches the same child range, so the loads of one step are independent and their cache misses
+// overlap instead of being paid one after another.
+template <class TT>
+void search_lockstep(const uint8_t* base, uint64_t s, uint64_t e, const uint32_t* keys, size_t n, uint64_t* out) {
+  if (s >= e) {
+    for (size_t i = 0; i < n; ++i) out[i] = kNone;
+    return;
+  }
+  const TT* a = reinterpret_cast<const TT*>(base);
+  uint64_t pos[kBlock];
+  for (size_t i = 0; i < n; ++i) pos[i] = s;
+  uint64_t len = e - s;
+  while (len > 1) {
+    const uint64_t half = len / 2;
+    for (size_t i = 0; i < n; ++i) {
+      TT v;
+      std::memcpy(&v, a + pos[i] + half, sizeof(TT));
+      // Multiply, not a conditional: a data-dependent branch here mispredicts half the time.
+      pos[i] += half * static_cast<uint64_t>(static_cast<uint32_t>(v) < keys[i]);
+    }
+    len -= half;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    TT v;
+    std::memcpy(&v, a + pos[i], sizeof(TT));
+    uint64_t r = pos[i] + (static_cast<uint32_t>(v) < keys[i] ? 1 : 0);
+    if (r < e) std::memcpy(&v, a + r, sizeof(TT));
+    out[i] = (r < e && static_cast<uint32_t>(v) == keys[i]) ? r : kNone;
+  }
+}
+}  // namespace
+
+bool TrieView::probability_checked(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
+                                   float* probs, int32_t* matched) const {
+  for (size_t i = 0; i < n; ++i) {
+    probs[i] = 0.0f;
+    matched[i] = 0;
+  }
+  bool ok = true;
+  const size_t max_len = std::min(static_cast<size_t>(hdr_.order) - 1, context_len);
+  if (max_len == 0 || n == 0) return true;
+  // The trie is far larger than the caches: every step below is a likely cache miss, so the
+  // independent ones are prefetched together and paid once instead of one after another.
+  const int32_t* ctx = context + context_len - max_len;
+  if (!dense1_.empty())
+    for (size_t j = 0; j < max_len; ++j)
+      if (ctx[j] >= 0 && static_cast<uint64_t>(ctx[j]) < hdr_.vocab_size) __builtin_prefetch(&dense1_[ctx[j]]);
+  // The hash table is keyed by tokens (parent token, token), so every slot a query may need (the
+  // 2-token context's node, each candidate under the 1-token context) is known up front and
+  // fetched together with the context nodes instead of after them.
+  const uint32_t last = static_cast<uint32_t>(ctx[max_len - 1]);
+  uint64_t slot1[kBlock];
+  if (hash_slots_ && ctx[max_len - 1] >= 0) {
+    for (size_t i = 0; i < std::min(n, kBlock); ++i) {
+      slot1[i] = hash_slot(last, static_cast<uint32_t>(tokens[i]), hash_slots_);
+      __builtin_prefetch(hash_ + slot1[i] * 4);
+    }
+    if (max_len >= 2 && ctx[max_len - 2] >= 0)
+      __builtin_prefetch(hash_ + hash_slot(static_cast<uint32_t>(ctx[max_len - 2]), last, hash_slots_) * 4);
+  }
+  // Context nodes for every usable suffix length and their child ranges.
+  uint64_t begin[kMaxOrder], end[kMaxOrder], nodes[kMaxOrder];
+  float inv[kMaxOrder];
+  bool use_hash1 = false;
+  bool any = false;
+  for (size_t len = 1; len <= max_len; ++len) {
+    uint64_t node;
+    begin[len] = end[len] = 0;
+    if (!find_path(context + context_len - len, len, node, ok)) continue;
+    const int k = static_cast<int>(len);
+    const LevelView& L = lv_[k];
+    nodes[len] = node;
+    begin[len] = child_at(L, node);
+    end[len] = child_at(L, node + 1);
+    if (begin[len] > end[len] || end[len] > lv_[k + 1].n) {
+      ok = false;
+      begin[len] = end[len] = 0;
+      continue;
+    }
+    if (len == 1 && hash_slots_ && end[1] - begin[1] >= kHashMinRange) use_hash1 = true;
+    const uint64_t ctx_count = count_checked(k, node, ok);
+    // Same float arithmetic as the original (count * (1/ctx_count)), bit for bit. A zero context
+    // count (possible only after pruning) gives 0 instead of the original's NaN.
+    inv[len] = ctx_count ? 1.0f / static_cast<float>(ctx_count) : 0.0f;
+    any = any || begin[len] < end[len];
+  }
+  if (!any) return ok;
+  uint32_t keys[kBlock];
+  size_t idx[kBlock];
+  uint64_t found[kBlock];
+  uint64_t slot[kBlock];
+  for (size_t b0 = 0; b0 < n; b0 += kBlock) {
+    const size_t bn = std::min(kBlock, n - b0);
+    for (size_t len = max_len; len > 0; --len) {
+      if (begin[len] >= end[len]) continue;
+      size_t m = 0;  // the still unmatched candidates of this block
+      for (size_t i = b0; i < b0 + bn; ++i) {
+        if (matched[i] || tokens[i] < 0) continue;
+        keys[m] = static_cast<uint32_t>(tokens[i]);
+        idx[m++] = i;
+      }
+      if (m == 0) break;
+      const int k = static_cast<int>(len);
+      const LevelView& C = lv_[k + 1];
+      if (k == 1 && use_hash1) {
+        for (size_t j = 0; j < m; ++j)
+          slot[j] = b0 == 0 ? slot1[idx[j]] : hash_slot(last, keys[j], hash_slots_);
+        for (size_t j = 0; j < m; ++j) {  // first slots: prefetch the likely matches' tokens
+          uint32_t v;
+          std::memcpy(&v, hash_ + slot[j] * 4, 4);
+          if (v != kHashEmpty && v >= begin[len] && v < end[len])
+            __builtin_prefetch(C.tokens + static_cast<uint64_t>(v) * hdr_.token_bytes);
+        }
+        for (size_t j = 0; j < m; ++j) found[j] = hash_probe(slot[j], keys[j], begin[len], end[len]);
+      } else if (hdr_.token_bytes == 2) {
+        search_lockstep<uint16_t>(C.tokens, begin[len], end[len], keys, m, found);
+      } else {
+        search_lockstep<uint32_t>(C.tokens, begin[len], end[len], keys, m, found);
+      }
+      for (size_t j = 0; j < m; ++j)
+        if (found[j] != kNone) __builtin_prefetch(C.counts + found[j] * C.count_bytes);
+      for (size_t j = 0; j < m; ++j) {
+        if (found[j] == kNone) continue;
+        probs[idx[j]] = static_cast<float>(count_checked(k + 1, found[j], ok)) * inv[len];
+        matched[idx[j]] = static_cast<int32_t>(len);
+      }
+    }
+  }
+  return ok;
+}
+
+void TrieView::probability(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n, float* probs,
+                           int32_t* matched) const {
+  if (!probability_checked(context, context_len, tokens, n, probs, matched)) {
+    // Corrupt data: report "unseen" rather than garbage (the Python API raises instead).
+    for (size_t i = 0; i < n; ++i) {
+      probs[i] = 0.0f;
+      matched[i] = 0;
+    }
+  }
+}
+
+uint32_t TrieView::token(int k, uint64_t i) const { return token_at(lv_[k], i); }
+
+uint64_t TrieView::count(int k, uint64_t i) const {
+  bool ok = true;
+  uint64_t v = count_checked(k, i, ok);
+  if (!ok) throw FormatError("corrupt trie: missing escape entry for a count on level " + std::to_string(k));
+  return v;
+}
+
+void TrieView::children(int k, uint64_t i, uint64_t& begin, uint64_t& end) const {
+  if (k == 0) {
+    begin = 0;
+    end = lv_[1].n;
+    return;
+  }
+  if (k >= static_cast<int>(hdr_.order)) {
+    begin = end = 0;
+    return;
+  }
+  begin = child_at(lv_[k], i);
+  end = child_at(lv_[k], i + 1);
+  if (begin > end || end > lv_[k + 1].n)
+    throw FormatError("corrupt trie: child offsets out of range on level " + std::to_string(k));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Column
+
+template <class T>
+void Column<T>::set_spill(const std::string& dir) {
+  std::string tmpl = dir + "/ngram-col-XXXXXX";
+  std::vector<char> name(tmpl.begin(), tmpl.end());
+  name.push_back('\0');
+  int fd = mkstemp(name.data());
+  if (fd < 0) throw IoError("cannot create a temporary file in '" + dir + "': " + std::strerror(errno));
+  f_ = fdopen(fd, "w+b");
+  if (!f_) {
+    ::close(fd);
+    throw IoError("cannot open a temporary file in '" + dir + "'");
+  }
+  unlink(name.data());  // vanishes when closed, even after a crash
+  path_ = name.data();
+  spill_ = true;
+}
+
+template <class T>
+Column<T>::~Column() {
+  if (f_) std::fclose(f_);
+}
+
+template <class T>
+Column<T>::Column(Column&& o) noexcept
+    : buf_(std::move(o.buf_)), size_(o.size_), spill_(o.spill_), path_(std::move(o.path_)), f_(o.f_) {
+  o.f_ = nullptr;
+}
+
+template <class T>
+void Column<T>::flush() {
+  if (buf_.empty()) return;
+  if (std::fwrite(buf_.data(), sizeof(T), buf_.size(), f_) != buf_.size())
+    throw IoError("write to temporary file '" + path_ + "' failed: " + std::strerror(errno));
+  buf_.clear();
+}
+
+template <class T>
+template <class F>
+void Column<T>::for_each_block(F&& fn) {
+  if (!spill_) {
+    if (!buf_.empty()) fn(buf_.data(), buf_.size());
+    return;
+  }
+  flush();
+  std::fflush(f_);
+  std::rewind(f_);
+  std::vector<T> tmp(kSpillChunk);
+  uint64_t left = size_;
+  while (left) {
+    size_t want = left < kSpillChunk ? static_cast<size_t>(left) : kSpillChunk;
+    if (std::fread(tmp.data(), sizeof(T), want, f_) != want) throw IoError("read of temporary file failed");
+    fn(tmp.data(), want);
+    left -= want;
+  }
+}
+
+template <class T>
+void Column<T>::read_block(uint64_t start, size_t n, T* out) {
+  if (start + n > size_) throw std::logic_error("column read out of range");
+  if (!spill_) {
+    std::memcpy(out, buf_.data() + start, n * sizeof(T));
+    return;
+  }
+  flush();
+  std::fflush(f_);
+  const ssize_t want = static_cast<ssize_t>(n * sizeof(T));
+  if (pread(fileno(f_), out, static_cast<size_t>(want), static_cast<off_t>(start * sizeof(T))) != want)
+    throw IoError("read of temporary file failed");
+}
+
+namespace {
+template <class T>
+class ColumnCursor {
+ public:
+  explicit ColumnCursor(Column<T>& c) : c_(c) {}
+  T next() {
+    if (bpos_ == blen_) {
+      blen_ = static_cast<size_t>(std::min<uint64_t>(buf_.size(), c_.size() - pos_));
+      c_.read_block(pos_, blen_, buf_.data());
+      pos_ += blen_;
+      bpos_ = 0;
+    }
+    return buf_[bpos_++];
+  }
+
+ private:
+  Column<T>& c_;
+  std::vector<T> buf_ = std::vector<T>(1 << 15);
+  uint64_t pos_ = 0;
+  size_t bpos_ = 0, blen_ = 0;
+};
+}  // namespace
+
+template class Column<uint32_t>;
+template class Column<uint64_t>;
+
+// ---------------------------------------------------------------------------------------------
+// CsrBuilder
+
+CsrBuilder::CsrBuilder(int order, uint64_t vocab_size, const std::string& spill_dir)
+    : order_(order), vocab_(vocab_size) {
+  if (order < 1 || order > kMaxOrder) throw std::invalid_argument("order must be in 1.." + std::to_string(kMaxOrder));
+  tok_.resize(order + 1);
+  cnt_.resize(order + 1);
+  child_.resize(order + 1);
+  if (!spill_dir.empty()) {
+    for (int k = 1; k <= order; ++k) {
+      tok_[k].set_spill(spill_dir);
+      cnt_[k].set_spill(spill_dir);
+      if (k < order) child_[k].set_spill(spill_dir);
+    }
+  }
+  n_.assign(order + 2, 0);
+  n_[0] = 1;
+  for (auto& g : ge_) g.assign(order + 1, 0);
+  for (auto& g : mass_ge_) g.assign(order + 1, 0);
+  mass_.assign(order + 1, 0);
+  for (auto& p : prev_sib_) p = -1;
+}
+
+uint64_t CsrBuilder::nodes() const {
+  uint64_t s = 0;
+  for (int k = 0; k <= order_; ++k) s += n_[k];
+  return s;
+}
+
+void CsrBuilder::close_from(int level) {
+  for (int l = path_len_; l >= level; --l) {
+    const uint64_t c = path_cnt_[l];
+    cnt_[l].push(c);
+    ge_[0][l] += c >= 0xFFull;
+    ge_[1][l] += c >= 0xFFFFull;
+    ge_[2][l] += c >= 0xFFFFFFFFull;
+    mass_[l] += c;
+    if (c >= 0xFFull) mass_ge_[0][l] += c;
+    if (c >= 0xFFFFull) mass_ge_[1][l] += c;
+    if (c >= 0xFFFFFFFFull) mass_ge_[2][l] += c;
+  }
+  if (path_len_ >= level) path_len_ = level - 1;
+}
+
+void CsrBuilder::open(int level, uint32_t tok) {
+  if (finished_) throw std::logic_error("builder already finished");
+  if (level < 1 || level > order_ || level > path_len_ + 1)
+    throw FormatError("node on level " + std::to_string(level) + " has no parent (input not in pre-order)");
+  if (level <= path_len_) close_from(level);
+  if (static_cast<int64_t>(tok) <= prev_sib_[level])
+    throw FormatError("sibling tokens not strictly increasing (duplicate or unsorted children)");
+  prev_sib_[level] = tok;
+  for (int l = level + 1; l <= order_; ++l) prev_sib_[l] = -1;
+  tok_[level].push(tok);
+  if (level < order_) child_[level].push(n_[level + 1]);
+  ++n_[level];
+  path_len_ = level;
+  path_tok_[level] = tok;
+  path_cnt_[level] = 0;
+  if (tok + 1 > max_tok_plus1_) max_tok_plus1_ = tok + 1;
+}
+
+void CsrBuilder::add_slice(const uint32_t* toks, int m, uint64_t c) {
+  int d = 0;
+  while (d < m && d < path_len_ && path_tok_[d + 1] == toks[d]) ++d;
+  if (d == m && m < path_len_) throw FormatError("slices not in sorted order");
+  for (int j = d + 1; j <= m; ++j) open(j, toks[j - 1]);
+  for (int l = 0; l <= m; ++l) path_cnt_[l] += c;
+}
+
+void CsrBuilder::add_node(int level, uint32_t tok, uint64_t c) {
+  open(level, tok);
+  path_cnt_[level] = c;
+}
+
+void CsrBuilder::adjust_current(int level, int64_t delta) {
+  if (level < 0 || level > path_len_) throw std::logic_error("adjust_current: no open node on that level");
+  if (delta < 0 && static_cast<uint64_t>(-delta) > path_cnt_[level])
+    throw FormatError("inconsistent counts: pruned descendants exceed their ancestor's count");
+  path_cnt_[level] += static_cast<uint64_t>(delta);
+}
+
+namespace {
+// Sequential output into memory or a file; hashes the payload.
+class Sink {
+ public:
+  Sink(const std::string& path, uint64_t size) : size_(size) {
+    if (path.empty()) {
+      words_.assign(size / 8, 0);
+      mem_ = reinterpret_cast<uint8_t*>(words_.data());
+    } else {
+      file_ = std::make_unique<FileWriter>(path);
+    }
+  }
+  void write(const void* p, size_t n) {
+    if (pos_ + n > size_) throw std::logic_error("image writer overflow");
+    if (mem_) {
+      std::memcpy(mem_ + pos_, p, n);
+    } else {
+      file_->write(p, n);
+    }
+    pos_ += n;
+  }
+  void pad_to(uint64_t off) {
+    if (off < pos_) throw std::logic_error("image writer went backwards");
+    if (mem_) {
+      pos_ = off;  // already zero
+    } else {
+      file_->zeros(off - pos_);
+      pos_ = off;
+    }
+  }
+  void start_hash() {
+    hash_start_ = pos_;
+    if (file_) file_->start_hash();
+  }
+  uint64_t payload_digest() {
+    if (mem_) {
+      Hasher h;
+      h.update(mem_ + hash_start_, size_ - hash_start_);
+      return h.digest();
+    }
+    return file_->digest();
+  }
+  void write_header(const void* p, size_t n) {
+    if (mem_) {
+      std::memcpy(mem_, p, n);
+    } else {
+      file_->pwrite_at(0, p, n);
+    }
+  }
+  void close() {
+    if (file_) file_->close();
+  }
+  std::vector<uint64_t> words_;
+
+ private:
+  uint64_t size_;
+  uint64_t pos_ = 0;
+  uint64_t hash_start_ = 0;
+  uint8_t* mem_ = nullptr;
+  std::unique_ptr<FileWriter> file_;
+};
+
+template <class Src, class Dst>
+void write_narrow(Sink& s, const Src* p, size_t n) {
+  Dst tmp[4096];
+  while (n) {
+    size_t k = n < 4096 ? n : 4096;
+    for (size_t i = 0; i < k; ++i) tmp[i] = static_cast<Dst>(p[i]);
+    s.write(tmp, k * sizeof(Dst));
+    p += k;
+    n -= k;
+  }
+}
+
+struct TempPath {
+  std::string tmp, final;
+  bool committed = false;
+  explicit TempPath(const std::string& path) : final(path) {
+    if (!path.empty()) tmp = path + ".partial-" + std::to_string(::getpid());
+  }
+  void commit() {
+    if (tmp.empty()) return;
+    if (std::rename(tmp.c_str(), final.c_str()) != 0)
+      throw IoError("cannot move '" + tmp + "' to '" + final + "': " + std::strerror(errno));
+    committed = true;
+  }
+  ~TempPath() {
+    if (!tmp.empty() && !committed) std::remove(tmp.c_str());
+  }
+};
+}  // namespace
+
+std::shared_ptr<Image> CsrBuilder::finish(const std::string& path, const std::string& fingerprint) {
+  if (finished_) throw std::logic_error("builder already finished");
+  if (fingerprint.size() > kFingerprintMax)
+    throw std::invalid_argument("tokenizer fingerprint longer than " + std::to_string(kFingerprintMax) + " bytes");
+  close_from(1);
+  finished_ = true;
+  for (int k = 1; k < order_; ++k) child_[k].push(n_[k + 1]);
+  const uint64_t vocab = std::max<uint64_t>(vocab_, max_tok_plus1_);
+  if (vocab > (1ull << 31)) throw std::invalid_argument("vocabulary too large");
+  const uint32_t token_bytes = vocab <= 65536 ? 2 : 4;
+
+  std::vector<LevelShape> shape(order_ + 1);
+  for (int k = 1; k <= order_; ++k) {
+    const uint64_t n = n_[k];
+    // Narrowest count width whose escaped nodes carry at most 1/4 of the level's count mass:
+    // queries hit nodes in proportion to their counts and an escaped count costs a search of the
+    // escape table, so escapes must be uncommon in lookups, not just in nodes (measured on ShareGPT:
+    // 1/20 costs +1 byte/node for ~8% faster queries; 1/4 is the middle).
+    uint32_t cb = 8;
+    uint64_t esc = 0;
+    const uint32_t widths[3] = {1, 2, 4};
+    for (int w = 0; w < 3; ++w) {
+      if (mass_ge_[w][k] <= mass_[k] / 4) {
+        cb = widths[w];
+        esc = ge_[w][k];
+        break;
+      }
+    }
+    shape[k].n = n;
+    shape[k].count_bytes = cb;
+    shape[k].n_esc = esc;
+    shape[k].child_bytes = (k < order_ && n_[k + 1] > 0xFFFFFFFFull) ? 8 : 4;
+  }
+  // Level-2 hash index: (level-1 parent, token) -> level-2 index, load <= 1/2 (misses, the
+  // common case, then end after ~2.5 probes on average).
+  std::vector<uint32_t> htable;
+  uint64_t max_probe = 0;
+  if (order_ >= 2 && n_[2] > 0 && n_[2] < kHashEmpty) {
+    const uint64_t slots = 2 * n_[2] + 8;
+    htable.assign(slots, kHashEmpty);
+    ColumnCursor<uint64_t> starts(child_[1]);
+    ColumnCursor<uint32_t> parents(tok_[1]);
+    ColumnCursor<uint32_t> toks(tok_[2]);
+    uint64_t begin = starts.next();
+    for (uint64_t p = 0; p < n_[1]; ++p) {
+      const uint64_t end = starts.next();
+      const uint32_t ptok = parents.next();
+      for (uint64_t j = begin; j < end; ++j) {
+        uint64_t i = hash_slot(ptok, toks.next(), slots);
+        uint64_t probes = 1;
+        while (htable[i] != kHashEmpty) {
+          if (++i == slots) i = 0;
+          ++probes;
+        }
+        htable[i] = static_cast<uint32_t>(j);
+        max_probe = std::max(max_probe, probes);
+      }
+      begin = end;
+    }
+    shape[2].hash_slots = slots;
+  }
+  std::vector<Section> table;
+  const uint64_t file_size = compute_layout(order_, token_bytes, shape, table);
+  if (order_ >= 2) table.back().reserved = static_cast<uint32_t>(std::min<uint64_t>(max_probe, UINT32_MAX));
+
+  Header h{};
+  std::memcpy(h.magic, kMagic, 8);
+  h.version = kVersion;
+  h.header_bytes = kHeaderBytes;
+  h.order = static_cast<uint32_t>(order_);
+  h.token_bytes = token_bytes;
+  h.vocab_size = vocab;
+  h.num_nodes = nodes();
+  h.file_size = file_size;
+  h.root_count = path_cnt_[0];
+  h.fingerprint_len = static_cast<uint32_t>(fingerprint.size());
+  h.num_sections = static_cast<uint32_t>(table.size());
+  std::memcpy(h.fingerprint, fingerprint.data(), fingerprint.size());
+
+  TempPath out(path);
+  Sink sink(out.tmp, file_size);
+  sink.write(&h, sizeof(h));
+  sink.write(table.data(), table.size() * sizeof(Section));
+  sink.pad_to(table[0].offset);
+  sink.start_hash();
+  size_t si = 0;
+  for (int k = 1; k <= order_; ++k) {
+    // tokens
+    sink.pad_to(table[si].offset);
+    tok_[k].for_each_block([&](const uint32_t* p, size_t n) {
+      if (token_bytes == 2)
+        write_narrow<uint32_t, uint16_t>(sink, p, n);
+      else
+        sink.write(p, n * 4);
+    });
+    // counts (+ escapes collected on the way)
+    sink.pad_to(table[si + 1].offset);
+    const uint32_t cb = shape[k].count_bytes;
+    const uint64_t sent = sentinel(cb);
+    std::vector<uint64_t> esc_idx, esc_val;
+    uint64_t idx = 0;
+    cnt_[k].for_each_block([&](const uint64_t* p, size_t n) {
+      if (cb == 8) {
+        sink.write(p, n * 8);
+        return;
+      }
+      std::vector<uint64_t> narrowed(p, p + n);
+      for (size_t i = 0; i < n; ++i) {
+        if (p[i] >= sent) {
+          esc_idx.push_back(idx + i);
+          esc_val.push_back(p[i]);
+          narrowed[i] = sent;
+        }
+      }
+      if (cb == 1) write_narrow<uint64_t, uint8_t>(sink, narrowed.data(), n);
+      if (cb == 2) write_narrow<uint64_t, uint16_t>(sink, narrowed.data(), n);
+      if (cb == 4) write_narrow<uint64_t, uint32_t>(sink, narrowed.data(), n);
+      idx += n;
+    });
+    if (esc_idx.size() != shape[k].n_esc) throw std::logic_error("escape count mismatch");
+    sink.pad_to(table[si + 2].offset);
+    if (!esc_idx.empty()) sink.write(esc_idx.data(), esc_idx.size() * 8);
+    sink.pad_to(table[si + 3].offset);
+    if (!esc_val.empty()) sink.write(esc_val.data(), esc_val.size() * 8);
+    si += 4;
+    if (k < order_) {
+      sink.pad_to(table[si].offset);
+      child_[k].for_each_block([&](const uint64_t* p, size_t n) {
+        if (shape[k].child_bytes == 4)
+          write_narrow<uint64_t, uint32_t>(sink, p, n);
+        else
+          sink.write(p, n * 8);
+      });
+      ++si;
+    }
+  }
+  if (order_ >= 2) {
+    sink.pad_to(table.back().offset);
+    if (!htable.empty()) sink.write(htable.data(), htable.size() * 4);
+  }
+  sink.pad_to(file_size);
+  h.payload_checksum = sink.payload_digest();
+  h.header_checksum = header_checksum(h, table.data(), table.size());
+  sink.write_header(&h, sizeof(h));
+  sink.close();
+  if (!path.empty()) {
+    out.commit();
+    return nullptr;
+  }
+  return Image::from_memory(std::move(sink.words_), file_size);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Algorithms
+
+std::shared_ptr<TrieView> view_of(std::shared_ptr<Image> img) {
+  return std::make_shared<TrieView>(std::move(img), false, "in-memory trie");
+}
+
+std::shared_ptr<TrieView> empty_trie(int order, uint64_t vocab_size, const std::string& fingerprint) {
+  CsrBuilder b(order, vocab_size, "");
+  return view_of(b.finish("", fingerprint));
+}
+
+namespace {
+void merge_rec(const TrieView& a, const TrieView& b, CsrBuilder& out, int k, uint64_t as, uint64_t ae, uint64_t bs,
+               uint64_t be) {
+  const int order = a.order();
+  const int lvl = k + 1;
+  while (as < ae || bs < be) {
+    const int64_t ta = as < ae ? static_cast<int64_t>(a.token(lvl, as)) : INT64_MAX;
+    const int64_t tb = bs < be ? static_cast<int64_t>(b.token(lvl, bs)) : INT64_MAX;
+    uint64_t cas = 0, cae = 0, cbs = 0, cbe = 0;
+    if (ta <= tb) {
+      const uint64_t c = a.count(lvl, as);
+      uint64_t cb = 0;
+      if (ta == tb) cb = b.count(lvl, bs);
+      if (cb > UINT64_MAX - c) throw FormatError("count overflow while merging");
+      out.add_node(lvl, static_cast<uint32_t>(ta), c + cb);
+      if (lvl < order) {
+        a.children(lvl, as, cas, cae);
+        if (ta == tb) b.children(lvl, bs, cbs, cbe);
+      }
+      ++as;
+      if (ta == tb) ++bs;
+    } else {
+      out.add_node(lvl, static_cast<uint32_t>(tb), b.count(lvl, bs));
+      if (lvl < order) b.children(lvl, bs, cbs, cbe);
+      ++bs;
+    }
+    if (lvl < order) merge_rec(a, b, out, lvl, cas, cae, cbs, cbe);
+  }
+}
+
+uint64_t prune_rec(const TrieView& t, CsrBuilder& out, int k, uint64_t i, uint64_t min_count) {
+  uint64_t s, e;
+  t.children(k, i, s, e);
+  uint64_t reduced = 0;
+  const int lvl = k + 1;
+  for (uint64_t c = s; c < e; ++c) {
+    const uint64_t cnt = t.count(lvl, c);
+    if (cnt >= min_count) {
+      out.add_node(lvl, t.token(lvl, c), cnt);
+      if (lvl < t.order()) {
+        const uint64_t r = prune_rec(t, out, lvl, c, min_count);
+        out.adjust_current(lvl, -static_cast<int64_t>(r));
+        reduced += r;
+      }
+    } else {
+      reduced += cnt;
+    }
+  }
+  return reduced;
+}
+}  // namespace
+
+std::shared_ptr<Image> merge_tries(const TrieView& a, const TrieView& b, const std::string& out_path,
+                                   const std::string& spill_dir, const std::string& fingerprint) {
+  if (a.order() != b.order())
+    throw std::invalid_argument("cannot merge tries of different order (" + std::to_string(a.order()) + " vs " +
+                                std::to_string(b.order()) + ")");
+  CsrBuilder out(a.order(), std::max(a.vocab_size(), b.vocab_size()), spill_dir);
+  out.set_root_count(a.root_count() + b.root_count());
+  merge_rec(a, b, out, 0, 0, a.level(1).n, 0, b.level(1).n);
+  return out.finish(out_path, fingerprint);
+}
+
+std::shared_ptr<Image> prune_trie(const TrieView& t, uint64_t min_count, const std::string& out_path,
+                                  const std::string& spill_dir) {
+  CsrBuilder out(t.order(), t.vocab_size(), spill_dir);
+  const uint64_t r = prune_rec(t, out, 0, 0, min_count);
+  // The original leaves the pruned root at -r (its root starts from 0); we keep the consistent
+  // value, which no query reads.
+  out.set_root_count(t.root_count() >= r ? t.root_count() - r : 0);
+  return out.finish(out_path, t.fingerprint());
+}
+
+void save_compact(const TrieView& t, const std::string& path, const std::string& fingerprint) {
+  if (fingerprint.size() > kFingerprintMax)
+    throw std::invalid_argument("tokenizer fingerprint longer than " + std::to_string(kFingerprintMax) + " bytes");
+  const uint8_t* d = t.image()->data();
+  const uint64_t size = t.image()->size();
+  Header h;
+  std::memcpy(&h, d, sizeof(h));
+  std::memset(h.fingerprint, 0, sizeof(h.fingerprint));
+  std::memcpy(h.fingerprint, fingerprint.data(), fingerprint.size());
+  h.fingerprint_len = static_cast<uint32_t>(fingerprint.size());
+  const Section* table = reinterpret_cast<const Section*>(d + kHeaderBytes);
+  h.header_checksum = header_checksum(h, table, h.num_sections);
+  TempPath out(path);
+  FileWriter w(out.tmp);
+  w.write(&h, sizeof(h));
+  w.write(d + sizeof(h), size - sizeof(h));
+  w.close();
+  out.commit();
+}
+
+}  // namespace ngb

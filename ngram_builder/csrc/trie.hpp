@@ -1,0 +1,206 @@
+// The frozen, queryable trie (a byte image in the compact format, in memory or memory-mapped),
+// the streaming builder that produces such images, and the algorithms over them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dart/ngram_query.hpp"
+#include "format.hpp"
+
+namespace ngb {
+
+// Owns the bytes of one compact image: heap memory or a read-only mmap of a file.
+class Image {
+ public:
+  static std::shared_ptr<Image> from_memory(std::vector<uint64_t>&& words, uint64_t size);
+  static std::shared_ptr<Image> map_file(const std::string& path);
+  ~Image();
+  const uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  bool mapped() const { return map_ != nullptr; }
+
+ private:
+  Image() = default;
+  std::vector<uint64_t> words_;
+  void* map_ = nullptr;
+  uint64_t map_len_ = 0;
+  const uint8_t* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+struct LevelView {
+  uint64_t n = 0;
+  const uint8_t* tokens = nullptr;
+  const uint8_t* counts = nullptr;
+  uint32_t count_bytes = 8;
+  const uint64_t* esc_idx = nullptr;
+  const uint64_t* esc_val = nullptr;
+  uint64_t n_esc = 0;
+  const uint8_t* child = nullptr;  // n + 1 entries (levels < order)
+  uint32_t child_bytes = 4;
+};
+
+// Read-only view over an image. Every offset read from the payload is bounds-checked, so a corrupt
+// (unverified) file yields `ok == false`, never an out-of-bounds read.
+class TrieView : public dart::NgramQuery {
+ public:
+  // Parses and checks header, section table and the cheap invariants (O(vocab)); `verify`
+  // additionally checks the payload checksum and every node (O(size)). Throws FormatError.
+  TrieView(std::shared_ptr<Image> image, bool verify, const std::string& what);
+
+  int order() const override { return static_cast<int>(hdr_.order); }
+  void probability(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
+                   float* probs, int32_t* matched) const override;
+  // Same, returning false when corrupt data was met (results then must not be trusted).
+  bool probability_checked(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
+                           float* probs, int32_t* matched) const;
+
+  const Header& header() const { return hdr_; }
+  uint64_t vocab_size() const { return hdr_.vocab_size; }
+  uint64_t num_nodes() const { return hdr_.num_nodes; }
+  uint64_t root_count() const { return hdr_.root_count; }
+  std::string fingerprint() const { return std::string(hdr_.fingerprint, hdr_.fingerprint_len); }
+  const LevelView& level(int k) const { return lv_[k]; }
+  const std::shared_ptr<Image>& image() const { return image_; }
+  uint64_t ram_bytes() const;  // image + query index
+
+  // Accessors used by the tree walkers (merge, prune, export). Throw FormatError on corruption.
+  uint32_t token(int k, uint64_t i) const;
+  uint64_t count(int k, uint64_t i) const;
+  // Children of node i on level k (k = 0: the root, i ignored) as a range of level k+1.
+  void children(int k, uint64_t i, uint64_t& begin, uint64_t& end) const;
+  // Node index on level len reached by `ctx[0..len)` from the root, or false.
+  bool find_path(const int32_t* ctx, size_t len, uint64_t& node, bool& ok) const;
+  bool find_child(int k, uint64_t i, int64_t tok, uint64_t& out, bool& ok) const;
+  uint64_t count_checked(int k, uint64_t i, bool& ok) const;
+  bool has_hash() const { return hash_slots_ > 0; }
+
+ private:
+  void full_verify(const std::string& what) const;
+  // Level-2 child with token `tok` of the level-1 node whose token is `parent` and whose child
+  // range is [s, e), via the table.
+  uint64_t hash_find(uint32_t parent, uint32_t tok, uint64_t s, uint64_t e) const {
+    return hash_probe(hash_slot(parent, tok, hash_slots_), tok, s, e);
+  }
+  // Probe sequence from slot `i` (the slot of (parent, tok)).
+  uint64_t hash_probe(uint64_t i, uint32_t tok, uint64_t s, uint64_t e) const;
+  uint64_t child_at(const LevelView& L, uint64_t i) const {
+    if (L.child_bytes == 4) {
+      uint32_t v;
+      std::memcpy(&v, L.child + i * 4, 4);
+      return v;
+    }
+    uint64_t v;
+    std::memcpy(&v, L.child + i * 8, 8);
+    return v;
+  }
+  uint32_t token_at(const LevelView& L, uint64_t i) const {
+    if (hdr_.token_bytes == 2) {
+      uint16_t v;
+      std::memcpy(&v, L.tokens + i * 2, 2);
+      return v;
+    }
+    uint32_t v;
+    std::memcpy(&v, L.tokens + i * 4, 4);
+    return v;
+  }
+
+  std::shared_ptr<Image> image_;
+  Header hdr_{};
+  std::vector<LevelView> lv_;    // index 1..order
+  std::vector<uint32_t> dense1_;  // token -> level-1 index + 1 (0: absent)
+  const uint8_t* hash_ = nullptr;
+  uint64_t hash_slots_ = 0;
+  uint64_t hash_max_probe_ = 0;
+};
+
+// Append-only column; with a spill directory it keeps only a buffer in RAM and streams to a file.
+template <class T>
+class Column {
+ public:
+  Column() = default;
+  void set_spill(const std::string& path);
+  ~Column();
+  Column(const Column&) = delete;
+  Column& operator=(const Column&) = delete;
+  Column(Column&&) noexcept;
+  Column& operator=(Column&&) = delete;
+  void push(T v) {
+    buf_.push_back(v);
+    ++size_;
+    if (spill_ && buf_.size() >= kSpillChunk) flush();
+  }
+  uint64_t size() const { return size_; }
+  // Random-access read of values [start, start + n) (after all pushes).
+  void read_block(uint64_t start, size_t n, T* out);
+  // Streams all values in order to fn(const T* p, size_t n).
+  template <class F>
+  void for_each_block(F&& fn);
+
+ private:
+  static constexpr size_t kSpillChunk = 1 << 16;
+  void flush();
+  std::vector<T> buf_;
+  uint64_t size_ = 0;
+  bool spill_ = false;
+  std::string path_;
+  FILE* f_ = nullptr;
+};
+
+// Builds an image from nodes given in pre-order with siblings in increasing token order, either
+// as sorted slices (`add_slice`: counts accumulate along the path, as in counting) or as nodes
+// with known counts (`add_node`, for merge/prune/conversion).
+class CsrBuilder {
+ public:
+  // spill_dir empty: everything in RAM.
+  CsrBuilder(int order, uint64_t vocab_size, const std::string& spill_dir);
+  void add_slice(const uint32_t* toks, int m, uint64_t c);
+  void add_node(int level, uint32_t tok, uint64_t c);
+  void adjust_current(int level, int64_t delta);  // count of the open node on `level`
+  void set_root_count(uint64_t c) { path_cnt_[0] = c; }
+  void add_root_count(uint64_t c) { path_cnt_[0] += c; }
+  uint64_t root_count() const { return path_cnt_[0]; }
+  // Finishes and writes the image: to `path` (returns nullptr) or to memory (returns it).
+  std::shared_ptr<Image> finish(const std::string& path, const std::string& fingerprint);
+  uint64_t nodes() const;
+
+ private:
+  void open(int level, uint32_t tok);
+  void close_from(int level);
+  int order_;
+  uint64_t vocab_;
+  uint32_t max_tok_plus1_ = 0;
+  std::vector<Column<uint32_t>> tok_;
+  std::vector<Column<uint64_t>> cnt_;
+  std::vector<Column<uint64_t>> child_;
+  std::vector<uint64_t> n_;
+  std::vector<uint64_t> ge_[3];  // per level: counts >= 0xFF, >= 0xFFFF, >= 0xFFFFFFFF
+  // Sums of those counts (saturating is unnecessary: at most the corpus size times order).
+  std::vector<uint64_t> mass_ge_[3];
+  std::vector<uint64_t> mass_;
+  int path_len_ = 0;
+  uint32_t path_tok_[kMaxOrder + 1] = {};
+  uint64_t path_cnt_[kMaxOrder + 1] = {};
+  int64_t prev_sib_[kMaxOrder + 2] = {};
+  bool finished_ = false;
+};
+
+std::shared_ptr<TrieView> empty_trie(int order, uint64_t vocab_size, const std::string& fingerprint);
+std::shared_ptr<TrieView> view_of(std::shared_ptr<Image> img);  // trusted in-memory image
+// Node-wise sum of counts over the union of both tries (the original's add_all).
+std::shared_ptr<Image> merge_tries(const TrieView& a, const TrieView& b, const std::string& out_path,
+                                   const std::string& spill_dir, const std::string& fingerprint);
+// The original's reduce(threshold): keep children with count >= min_count; a kept node's count is
+// reduced by the counts of the topmost pruned nodes below it.
+std::shared_ptr<Image> prune_trie(const TrieView& t, uint64_t min_count, const std::string& out_path,
+                                  const std::string& spill_dir);
+// Writes the image bytes of `t` with a new fingerprint to `path` (via a temp file + rename).
+void save_compact(const TrieView& t, const std::string& path, const std::string& fingerprint);
+// The original DART `.trie` format.
+std::shared_ptr<Image> load_dart(const std::string& path, uint64_t vocab_size, const std::string& fingerprint);
+void save_dart(const TrieView& t, const std::string& path);
+
+}  // namespace ngb

@@ -1,0 +1,223 @@
+"""Benchmark the n-gram trie against the original DART trie's measured numbers (anchors.md).
+
+ShareGPT train split, SmolLM2 tokenizer, order 3. Prints a markdown table:
+bytes/node on disk and in RAM, load time, µs per 25-candidate query (single, batched), build
+throughput and peak RSS (counting from token ids, in a child process), tokenization time.
+
+    python scripts/bench_ngram.py [--out runs/bench_ngram] [--limit N] [--reuse-ids]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# The original DART C++ code on this kind of machine (shared/reference/anchors.md).
+ANCHOR = {
+    "nodes": 9_275_303,
+    "disk_bytes_per_node": 36.0,
+    "ram_bytes_per_node": 80.0,
+    "load_s": 3.85,
+    "query_us": 3.5,
+    "build_tok_s": 2.1e6,
+    "build_peak_mb": 1900.0,
+    "tokenize_s": 22.0,
+}
+
+
+def tokenize(out: Path, limit: int | None) -> dict:
+    from transformers import AutoTokenizer
+
+    from dart_infer.assets import resolve_model, tokenizer_fingerprint
+    from dart_infer.conversations import load_conversations
+    from ngram_builder.build import _flatten
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    convs = load_conversations("sharegpt", split="train", limit=limit)
+    texts = ["\n".join(m["content"] for m in c.messages) for c in convs]
+    t0 = time.perf_counter()
+    ids: list[list[int]] = []
+    for i in range(0, len(texts), 256):
+        ids.extend(tok(texts[i : i + 256], add_special_tokens=False)["input_ids"])
+    tok_s = time.perf_counter() - t0
+    flat, offsets = _flatten(ids, tok.eos_token_id)
+    np.savez(out / "ids.npz", flat=flat, offsets=offsets)
+    meta = {"docs": len(texts), "tokens": int(len(flat)), "tokenize_s": tok_s, "vocab_size": len(tok),
+            "fingerprint": tokenizer_fingerprint(tok)}
+    (out / "ids.json").write_text(json.dumps(meta))
+    return meta
+
+
+def vm_hwm_mb() -> float:
+    """Peak RSS of this process image (VmHWM; unlike ru_maxrss it does not inherit the parent's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child_build(out: Path, memory_cap_mb: float, threads: int, target: str) -> None:
+    """Runs in a fresh process so that ru_maxrss is the build's own peak."""
+    from ngram_builder import NgramTrie, _core
+
+    meta = json.loads((out / "ids.json").read_text())
+    data = np.load(out / "ids.npz")
+    flat, offsets = data["flat"], data["offsets"]
+    base_rss = vm_hwm_mb()
+    spill = out / "spill"
+    spill.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    counter = _core.SliceCounter(3, meta["vocab_size"], int(memory_cap_mb * 2**20),
+                                 str(spill) if memory_cap_mb else "", threads)
+    step = 2048
+    for i in range(0, len(offsets) - 1, step):
+        j = min(i + step, len(offsets) - 1)
+        counter.add_flat(flat[offsets[i] : offsets[j]], offsets[i : j + 1] - offsets[i])
+    t_count = time.perf_counter() - t0
+    if memory_cap_mb:
+        counter.build(target, meta["fingerprint"])
+    else:
+        trie = NgramTrie._wrap(counter.build("", meta["fingerprint"]))
+        trie.save(target, overwrite=True)
+    total = time.perf_counter() - t0
+    cpu = time.process_time() - c0
+    peak = vm_hwm_mb()
+    print(json.dumps({"count_s": t_count, "total_s": total, "cpu_s": cpu, "peak_mb": peak, "input_mb": base_rss,
+                      "ids_mb": (flat.nbytes + offsets.nbytes) / 2**20}))
+
+
+def run_child(out: Path, cap: float, threads: int, target: Path) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(out), str(cap), str(threads), str(target)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_000) -> dict:
+    from ngram_builder import NgramTrie
+
+    trie = NgramTrie.load(path)
+    rng = np.random.default_rng(0)
+    # Contexts: 2 consecutive corpus tokens inside one document; candidates: the true next token +
+    # 24 tokens drawn from the corpus (unigram-distributed), as a drafter's top-k would look.
+    doc = rng.integers(0, len(offsets) - 1, size=n * 2)
+    lens = offsets[doc + 1] - offsets[doc]
+    doc = doc[lens >= 4][:n]
+    pos = offsets[doc] + (rng.random(len(doc)) * (offsets[doc + 1] - offsets[doc] - 3)).astype(np.int64)
+    ctx = np.stack([flat[pos], flat[pos + 1]], axis=1).astype(np.int32)
+    cand = flat[rng.integers(0, len(flat), size=(len(doc), 25))].astype(np.int32)
+    cand[:, 0] = flat[pos + 2]
+    runs = [trie._t.bench_queries(ctx, cand, 3) for _ in range(3)]
+    single_ns = min(r[0] for r in runs)
+    single_cpu_ns = min(r[1] for r in runs)
+    t0 = time.perf_counter()
+    trie.probability_batch(ctx, cand)
+    batch_us = (time.perf_counter() - t0) / len(ctx) * 1e6
+    ctx_l, cand_l = ctx.tolist(), cand.tolist()
+    t0 = time.perf_counter()
+    for c, k in zip(ctx_l[:5000], cand_l[:5000], strict=True):
+        trie.probability(c, k)
+    py_us = (time.perf_counter() - t0) / 5000 * 1e6
+    p, m = trie.probability_batch(ctx, cand)
+    return {"single_us": single_ns / 1000, "single_cpu_us": single_cpu_ns / 1000, "batch_us": batch_us, "python_call_us": py_us,
+            "hit_rate_true_next": float((m[:, 0] > 0).mean()), "queries": len(ctx)}
+
+
+def load_bench(path: Path, repeats: int = 20) -> float:
+    from ngram_builder import NgramTrie
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        t = NgramTrie.load(path)
+        t.probability([1, 2], [3])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_build(Path(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/bench_ngram")
+    ap.add_argument("--limit", type=int, default=None, help="conversations (default: the whole train split)")
+    ap.add_argument("--reuse-ids", action="store_true", help="reuse tokenized ids from a previous run")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cap-mb", type=float, default=256, help="memory cap of the external-merge build")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.reuse_ids and (out / "ids.json").exists():
+        meta = json.loads((out / "ids.json").read_text())
+    else:
+        meta = tokenize(out, args.limit)
+    print(f"corpus: {meta['docs']:,} conversations, {meta['tokens']:,} tokens; tokenization {meta['tokenize_s']:.1f} s",
+          flush=True)
+
+    full = out / "sharegpt.ngt"
+    mem = run_child(out, 0, args.threads, full)
+    capped_path = out / "sharegpt_capped.ngt"
+    cap = run_child(out, args.cap_mb, args.threads, capped_path)
+    identical = full.read_bytes() == capped_path.read_bytes()
+    capped_path.unlink()
+
+    from ngram_builder import NgramTrie
+
+    trie = NgramTrie.load(full, verify=True)
+    nodes = trie.num_nodes
+    disk = full.stat().st_size
+    ram = trie.nbytes
+    dart_path = out / "sharegpt.trie"
+    trie.save_dart(dart_path, overwrite=True)
+    t0 = time.perf_counter()
+    NgramTrie.load_dart(dart_path)
+    load_dart_s = time.perf_counter() - t0
+    dart_bytes = dart_path.stat().st_size
+    dart_path.unlink()
+    load_s = load_bench(full)
+    data = np.load(out / "ids.npz")
+    q = query_bench(full, data["flat"], data["offsets"])
+    tok_s = meta["tokens"] / mem["total_s"]
+
+    rows = [
+        ("nodes", f"{ANCHOR['nodes']:,} (all conversations)", f"{nodes:,} (train split)"),
+        ("bytes/node on disk", f"{ANCHOR['disk_bytes_per_node']:.0f}", f"{disk / nodes:.2f} ({disk / 2**20:.1f} MiB)"),
+        ("bytes/node in RAM", f"~{ANCHOR['ram_bytes_per_node']:.0f}", f"{ram / nodes:.2f} (mmap + level-1 index)"),
+        ("load", f"{ANCHOR['load_s']:.2f} s", f"{load_s * 1e3:.2f} ms (mmap; header + table checks)"),
+        ("query, 2-token ctx, 25 cand.", f"{ANCHOR['query_us']:.1f} µs",
+         f"{q['single_us']:.2f} µs wall / {q['single_cpu_us']:.2f} µs CPU (C++ call); "
+         f"{q['batch_us']:.2f} µs/query batched from Python; "
+         f"{q['python_call_us']:.1f} µs single Python call"),
+        ("build (ids -> trie file)", f"{ANCHOR['build_tok_s'] / 1e6:.1f} M tok/s, peak {ANCHOR['build_peak_mb']:.0f} MB",
+         f"{tok_s / 1e6:.2f} M tok/s ({mem['total_s']:.1f} s wall, {mem['cpu_s']:.1f} s CPU, {args.threads} threads), "
+         f"peak RSS {mem['peak_mb']:.0f} MB (incl. ids {mem['ids_mb']:.0f} MB + interpreter/numpy {mem['input_mb']:.0f} MB)"),
+        (f"build under {args.cap_mb:.0f} MB cap", "-",
+         f"{meta['tokens'] / cap['total_s'] / 1e6:.2f} M tok/s, peak RSS {cap['peak_mb']:.0f} MB, "
+         f"byte-identical: {identical}"),
+        ("tokenization (HF fast, batch 256)", f"{ANCHOR['tokenize_s']:.0f} s",
+         f"{meta['tokenize_s']:.1f} s ({meta['tokens'] / meta['tokenize_s'] / 1e6:.2f} M tok/s)"),
+        ("original .trie written by us", "36 bytes/node", f"{dart_bytes / nodes:.1f} bytes/node, load_dart {load_dart_s:.2f} s"),
+    ]
+    print(f"\nmachine load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
+    print("| what | original DART | ngram_builder |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    result = {"meta": meta, "nodes": nodes, "disk_bytes": disk, "ram_bytes": ram, "load_s": load_s, "query": q,
+              "build": mem, "build_capped": cap, "capped_identical": identical, "dart_bytes": dart_bytes,
+              "load_dart_s": load_dart_s, "info": trie.info()}
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
