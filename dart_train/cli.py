@@ -1,0 +1,311 @@
+"""`dart-train`: distil a target model into a DART draft head (Hydra config tree `configs/train.yaml`).
+
+    dart-train model=smollm2-135m-instruct data=sharegpt trainer=cpu
+    dart-train model=custom model.name_or_path=/ckpt data=jsonl data.source=/data.jsonl trainer.max_steps=100
+    deepspeed --num_gpus 8 $(which dart-train) trainer=zero2 model=custom model.name_or_path=Qwen/Qwen3-8B
+    deepspeed --hostfile hostfile --num_nodes 2 --num_gpus 8 $(which dart-train) trainer=zero2 ...
+    torchrun --nproc_per_node 8 -m dart_train.cli trainer=zero2 ...
+(`hostfile` lines: `<host> slots=<gpus>`; every node needs the same environment and data paths.
+Each rank trains on every world_size-th batch; rank 0 logs, writes checkpoints' metadata and exports.)
+
+The entry point only wires library pieces: conversations (`dart_infer.conversations`) → tokens, loss
+masks, draft vocabulary (`dart_train.data`) → target states online or from an offline cache
+(`dart_train.states`) → DeepSpeed training (`dart_train.engine`) with simulated-τ evaluation
+(`dart_train.evaluate`) → an exported head in `<run_dir>/head` that `DartModel.from_pretrained` loads.
+
+Run directory: Hydra's run dir unless `output_dir` is set. A directory that already holds a run
+(checkpoints, metrics or an exported head) is resumed with `resume=true` and otherwise refused:
+nothing is ever overwritten silently. The resolved config is written to `<run_dir>/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dart_infer.cli import hydra_app
+
+log = logging.getLogger(__name__)
+
+# Files whose presence means "a run lives here".
+RUN_MARKERS = ("checkpoints", "metrics.jsonl", "head", "summary.json")
+
+
+class RunDirError(RuntimeError):
+    """The output directory cannot be used (exists without resume=true, or is not writable)."""
+
+
+def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
+    """Create/check the run dir; returns True when an existing run is to be resumed."""
+    existing = [m for m in RUN_MARKERS if (run_dir / m).exists()]
+    if existing and not resume:
+        raise RunDirError(
+            f"run directory {run_dir} already holds a run ({', '.join(existing)}). Pass resume=true to "
+            "continue it, or choose another output_dir: dart-train never overwrites a run."
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirError(f"output directory {run_dir} is not writable: {exc}") from exc
+    return bool(existing)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name in (None, "null", "none"):
+        return None
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (use float32, bfloat16 or float16)")
+    return value
+
+
+def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any) -> Any:
+    """A random head shaped from the target's config (or `draft.init_from`), checked against it."""
+    from dart_infer.generate import check_head_matches_target, load_draft_model
+    from dart_infer.model import DartDraftConfig, DartDraftModel
+
+    draft_cfg = cfg.draft
+    if draft_cfg.init_from:
+        head = load_draft_model(str(draft_cfg.init_from), dtype=torch.float32)
+    else:
+        vocab = target.vocab_size
+        draft_vocab = draft_cfg.draft_vocab_size or vocab
+        if not 0 < int(draft_vocab) <= vocab:
+            raise ValueError(
+                f"draft.draft_vocab_size={draft_vocab} does not fit the target: it must be in 1..{vocab} "
+                "(the target's vocabulary size)"
+            )
+        if int(draft_cfg.draft_length) < 1:
+            raise ValueError(f"draft.draft_length must be >= 1, got {draft_cfg.draft_length}")
+        config = DartDraftConfig.from_target_config(
+            target.model.config, draft_length=int(draft_cfg.draft_length), draft_vocab_size=int(draft_vocab)
+        )
+        config.aux_layer_ids = list(target.aux_layer_ids)
+        torch.manual_seed(int(cfg.seed))
+        head = DartDraftModel(config).float()
+        head.set_vocab_mapping(vocab_mapping_fn(int(draft_vocab)))
+    check_head_matches_target(head, target)
+    head.set_target_embedding(target.embedding_weight)
+    return head.train()
+
+
+def _load_target(cfg: DictConfig) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dart_infer.assets import resolve_model
+    from dart_infer.target import TargetModel
+
+    path = resolve_model(str(cfg.model.name_or_path))
+    dtype = _dtype(cfg.model.get("dtype", "float32")) or torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    if torch.cuda.is_available():
+        model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return TargetModel(model), tokenizer
+
+
+def _state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> Any:
+    from dart_train.states import OfflineStateSource, OnlineStateSource, precompute_states
+
+    states = cfg.states
+    topk = states.topk
+    if states.mode == "online":
+        return OnlineStateSource(
+            target,
+            topk=int(topk) if topk is not None else None,
+            hidden_dtype=_dtype(states.hidden_dtype) or torch.bfloat16,
+            autocast_dtype=_dtype(states.autocast_dtype),
+        )
+    if states.mode == "offline":
+        cache = Path(states.cache_dir) if states.cache_dir else run_dir / "states"
+        precompute_states(  # resumable: only missing shards are computed
+            target, dataset, cache, topk=int(topk), shard_size=int(states.shard_size),
+            max_tokens=int(states.max_tokens), autocast_dtype=_dtype(states.autocast_dtype),
+            progress=bool(cfg.logging.progress),
+        )
+        return OfflineStateSource(cache, dataset, verify=bool(states.get("verify", True)))
+    raise ValueError(f"states.mode must be 'online' or 'offline', got {states.mode!r}")
+
+
+def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConfig) -> Any:
+    ev = cfg.train_eval
+    if not ev.enabled:
+        return None
+    from dart_infer.conversations import load_conversations
+    from dart_infer.generate import load_trie
+    from dart_train.data import build_dataset
+    from dart_train.evaluate import SimulatedTau
+    from dart_train.states import OnlineStateSource
+
+    conversations = load_conversations(str(ev.source), split=ev.split, limit=ev.limit)
+    dataset = build_dataset(
+        conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=_template_kwargs(cfg)
+    )
+    trie = load_trie(str(ev.ngram_model)) if ev.ngram_model else None
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
+    return SimulatedTau(
+        dataset,
+        OnlineStateSource(target, topk=int(cfg.states.topk) if cfg.states.topk else None,
+                          hidden_dtype=torch.float32),
+        eos_token_id=int(eos),
+        trie=trie,
+        tree=OmegaConf.to_container(ev.tree, resolve=True),
+        anchors_per_sequence=int(ev.anchors_per_sequence),
+        reference=str(ev.reference),
+        gamma=float(train_cfg.optim.gamma),
+    )
+
+
+def _regenerate(cfg: DictConfig, target: Any, tokenizer: Any, conversations: list[Any]) -> list[Any]:
+    """Self-distillation: the target answers every prompt (resumable JSONL), then train on that."""
+    from dart_infer.conversations import load_conversations
+    from dart_train.regenerate import regenerate
+
+    regen = cfg.preprocess.regenerate
+    stats = regenerate(
+        target.model, tokenizer, conversations, str(regen.output),
+        max_new_tokens=int(regen.max_new_tokens), batch_size=int(regen.batch_size),
+        temperature=float(regen.temperature), top_p=float(regen.top_p), seed=int(regen.seed),
+        max_prompt_tokens=int(regen.max_prompt_tokens) if regen.max_prompt_tokens else None,
+        template_kwargs=_template_kwargs(cfg), model_name=str(cfg.model.name_or_path),
+    )
+    log.info("regenerated: %s", stats)
+    wanted = {str(c.id) for c in conversations}
+    return [c for c in load_conversations(str(regen.output)) if str(c.id) in wanted]
+
+
+def _template_kwargs(cfg: DictConfig) -> dict[str, Any] | None:
+    kwargs = cfg.preprocess.get("template_kwargs")
+    return OmegaConf.to_container(kwargs, resolve=True) if kwargs else None
+
+
+def settings_from_config(cfg: DictConfig) -> Any:
+    from dart_train.engine import TrainSettings
+
+    o, t = cfg.optim, cfg.trainer
+    return TrainSettings(
+        lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps), weight_decay=float(o.weight_decay),
+        warmup_ratio=float(o.warmup_ratio),
+        warmup_steps=int(o.warmup_steps) if o.warmup_steps is not None else None,
+        min_lr_ratio=float(o.min_lr_ratio), grad_clip=float(o.grad_clip), gamma=float(o.gamma),
+        epochs=int(o.epochs), max_steps=int(t.max_steps) if t.max_steps is not None else None,
+        grad_accum=int(t.grad_accum), zero_stage=int(t.zero_stage), bf16=bool(t.bf16),
+        max_anchors=int(t.max_anchors) if t.max_anchors is not None else None, attention=str(t.attention),
+        seed=int(cfg.seed), log_every=int(cfg.logging.log_every),
+        eval_every=int(cfg.train_eval.every) if cfg.train_eval.enabled and cfg.train_eval.every else None,
+        save_every=int(t.save_every) if t.save_every else None, keep_last=int(t.keep_last),
+        progress=bool(cfg.logging.progress),
+    )
+
+
+def _wandb(cfg: DictConfig, run_dir: Path) -> Any:
+    w = cfg.logging.wandb
+    if not w.enabled:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        log.warning("wandb is not installed (pip install 'dart-spec[wandb]'): logging to metrics.jsonl only")
+        return None
+    return wandb.init(
+        project=str(w.project), name=w.name or run_dir.name, dir=str(run_dir),
+        # null → $WANDB_MODE (the dart CLIs default it to offline); an explicit mode wins.
+        mode=str(w.mode) if w.mode else os.environ.get("WANDB_MODE", "offline"),
+        config=OmegaConf.to_container(cfg, resolve=True), resume="allow", id=run_dir.name.replace("/", "_"),
+    )
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Run one training job from a resolved `train` config; returns the trainer's summary."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from dart_infer.conversations import load_conversations
+    from dart_train.data import LengthBucketBatchSampler, ResumableLoader, build_dataset, build_vocab_mapping
+    from dart_train.engine import DartTrainer, init_distributed
+
+    if cfg.output_dir:
+        run_dir = Path(str(cfg.output_dir))
+    elif HydraConfig.initialized():
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+    else:
+        raise RunDirError("set output_dir (no Hydra run directory available)")
+    resuming = prepare_run_dir(run_dir, bool(cfg.resume))
+    settings = settings_from_config(cfg)  # validate before the expensive loading
+    init_distributed()
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    target, tokenizer = _load_target(cfg)
+    conversations = load_conversations(str(cfg.data.source), split=cfg.data.split, limit=cfg.data.limit)
+    regen = cfg.preprocess.regenerate
+    if regen.enabled:
+        conversations = _regenerate(cfg, target, tokenizer, conversations)
+    cache_dir = cfg.preprocess.get("cache_dir")
+    dataset = build_dataset(
+        conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=_template_kwargs(cfg),
+        cache_dir=str(cache_dir) if cache_dir else None,
+    )
+    log.info("training data: %s", dataset.stats.as_dict())
+
+    def vocab_mapping(draft_vocab: int) -> torch.Tensor:
+        limit = cfg.draft.vocab_max_sequences
+        sequences = dataset.sequences if limit is None else dataset.sequences[: int(limit)]
+        specials = [i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if i is not None]
+        return build_vocab_mapping(sequences, target.vocab_size, draft_vocab, special_token_ids=specials)
+
+    head = build_head(target, cfg, vocab_mapping)
+    t = cfg.trainer
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sampler = LengthBucketBatchSampler(
+        dataset.lengths,
+        max_tokens=max(int(t.max_tokens), max(dataset.lengths)) if t.max_tokens else None,
+        batch_size=int(t.batch_size) if t.batch_size else None,
+        seed=int(cfg.seed), rank=rank, world_size=world,
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    loader = ResumableLoader(dataset, sampler, pad_token_id=int(pad))
+    source = _state_source(cfg, target, dataset, run_dir)
+    evaluator = _evaluator(cfg, target, tokenizer, cfg)
+    wandb_run = _wandb(cfg, run_dir) if rank == 0 else None
+    trainer = DartTrainer(head, source, loader, settings, run_dir, evaluator=evaluator, wandb_run=wandb_run)
+    if resuming and not trainer.resume():
+        log.warning("resume=true but %s holds no checkpoint yet: starting from step 0", run_dir)
+    summary = trainer.train()
+    if wandb_run is not None:
+        wandb_run.finish()
+    print(f"# dart-train done: {summary['steps']} steps, head at {summary['head']}", flush=True)
+    return summary
+
+
+_hydra_main = hydra_app("train")(train)
+
+
+def main() -> None:
+    """Console script. Accepts the `--local_rank=N` argument the `deepspeed` launcher appends
+    (Hydra would reject it): it becomes LOCAL_RANK, as with `deepspeed --no_local_rank`/torchrun."""
+    import sys
+
+    kept = []
+    args = iter(sys.argv[1:])
+    for arg in args:
+        if arg.startswith("--local_rank"):
+            value = arg.split("=", 1)[1] if "=" in arg else next(args, "0")
+            os.environ.setdefault("LOCAL_RANK", value)
+        else:
+            kept.append(arg)
+    sys.argv[1:] = kept
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,511 @@
+"""DeepSpeed training of a DART head: engine, schedule, checkpoints with exact resume, export, logging.
+
+- `TrainSettings`: optimiser / schedule / DeepSpeed / checkpoint knobs (the `trainer`, `optim` and
+  `train_eval` config groups map onto it).
+- `init_distributed()`: joins the process group the `deepspeed` launcher set up, or creates a
+  world of one (env vars RANK/WORLD_SIZE/MASTER_ADDR/...) when started as a plain process;
+  gloo on CPU, nccl on GPU.
+- `DartTrainer(draft_model, state_source, loader, settings, run_dir, evaluator=None)`:
+  `.train()` runs until `max_steps` optimiser steps (or `epochs` passes over the loader).
+  Only the head's trainable parameters are given to DeepSpeed (`torch.optim.AdamW` passed in,
+  cosine schedule with linear warm-up, clipping, gradient accumulation, ZeRO 0-3, bf16). The frozen
+  target lives in the state source and the frozen embedding outside the head's module registry
+  (`DartDraftModel.set_target_embedding`), so neither is wrapped, sharded or checkpointed.
+
+Run directory layout:
+  checkpoints/step_00000100/   DeepSpeed checkpoint (model, optimizer, scheduler) + client state
+                               (step, data-loader position, anchor sampler and global RNG states)
+  checkpoints/latest           tag of the newest checkpoint (DeepSpeed's own pointer)
+  best/                        exported head of the evaluation with the highest simulated τ
+                               (+ best.json: step, τ); kept outside the keep-last-N rotation
+  head/                        the final exported head (`save_pretrained`: config.json +
+                               model.safetensors with the authors' key names)
+  metrics.jsonl                one line per logged step / eval (loss, α_j, tokens/s, τ)
+
+Exact resume: checkpoints are written only at optimiser-step boundaries; loading one restores the
+weights, AdamW moments, LR schedule, the loader's (epoch, batch) position and every RNG, so the
+resumed loss curve equals the uninterrupted one (tests/test_train_engine.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dart_train.objective import ObjectiveOutput, annealed_kl_loss, build_layout, draft_forward
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+BEST_DIR = "best"
+HEAD_DIR = "head"
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class TrainSettings:
+    """Everything the engine needs besides the model and data (paper defaults, dart-method.md §2)."""
+
+    lr: float = 2e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.02
+    warmup_steps: int | None = None  # overrides warmup_ratio
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 0.5
+    gamma: float = 0.6
+    epochs: int = 3
+    max_steps: int | None = None  # optimiser steps; overrides epochs when set
+    grad_accum: int = 1
+    zero_stage: int = 0
+    bf16: bool = False
+    max_anchors: int | None = None  # per sequence; None = every loss-masked anchor
+    attention: str = "auto"  # auto (flex on GPU, dense on CPU) | dense | flex
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int | None = None  # optimiser steps; None = only at the end
+    save_every: int | None = None  # optimiser steps; None = only at the end
+    keep_last: int = 2
+    progress: bool = True
+    extra_ds_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.max_steps is None and self.epochs < 1:
+            raise ValueError("set max_steps or epochs >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        if self.attention not in ("auto", "dense", "flex"):
+            raise ValueError(f"attention must be auto, dense or flex, got {self.attention!r}")
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+
+def cosine_with_warmup(total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up from 1/warmup to 1, then cosine down to `min_lr_ratio`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed() -> None:
+    """Join (or create) the process group DeepSpeed uses; a world of one when not launched."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python`/console-script start: a single-process world
+        os.environ.update(
+            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        )
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _ObjectiveModule(nn.Module):
+    """What DeepSpeed wraps: the head plus the loss (so ZeRO hooks run around the whole forward)."""
+
+    def __init__(self, draft_model: nn.Module, gamma: float, use_flex: bool | None) -> None:
+        super().__init__()
+        self.draft = draft_model
+        self.gamma = gamma
+        self.use_flex = use_flex
+
+    def forward(self, batch: Mapping[str, Any], layout: Any) -> ObjectiveOutput:
+        device = self.draft.fc.weight.device
+        logits = draft_forward(
+            self.draft,
+            batch["aux_hidden"].to(device),
+            batch["input_ids"].to(device),
+            layout.to(device),
+            use_flex=self.use_flex,
+        )
+        ids = batch.get("target_topk_ids")
+        return annealed_kl_loss(
+            logits,
+            layout,
+            self.draft.d2t,
+            target_logprobs=batch["target_topk_logprobs"].to(device),
+            target_ids=ids.to(device) if ids is not None else None,
+            gamma=self.gamma,
+        )
+
+
+class DartTrainer:
+    """Trains a `DartDraftModel` with DeepSpeed on batches from a resumable loader + state source.
+
+    `loader`: a `dart_train.data.ResumableLoader` (or anything iterable with `state_dict`/
+    `load_state_dict` and `__len__`); `state_source(batch)` adds "aux_hidden" and the target's
+    soft labels (`dart_train.states`). `evaluator(draft_model) -> dict` (e.g. simulated τ from
+    `dart_train.evaluate`) runs every `eval_every` steps; its "tau" picks the best checkpoint.
+    """
+
+    def __init__(
+        self,
+        draft_model: nn.Module,
+        state_source: Callable[[Mapping[str, Any]], dict[str, Any]],
+        loader: Any,
+        settings: TrainSettings,
+        run_dir: str | os.PathLike[str],
+        *,
+        evaluator: Callable[[nn.Module], dict[str, float]] | None = None,
+        wandb_run: Any = None,
+    ) -> None:
+        import deepspeed
+
+        self.settings = settings
+        self.run_dir = Path(run_dir)
+        self.loader = loader
+        self.state_source = state_source
+        self.evaluator = evaluator
+        self.wandb_run = wandb_run
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+        init_distributed()
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        torch.manual_seed(settings.seed)
+        if torch.cuda.is_available():
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            draft_model.to(f"cuda:{local_rank}")
+        self.anchor_rng = torch.Generator().manual_seed(settings.seed + 1)
+
+        batches_per_epoch = max(1, len(loader))
+        steps_per_epoch = max(1, batches_per_epoch // settings.grad_accum)
+        self.total_steps = settings.max_steps or settings.epochs * steps_per_epoch
+        warmup = (
+            settings.warmup_steps
+            if settings.warmup_steps is not None
+            else int(round(settings.warmup_ratio * self.total_steps))
+        )
+        self.warmup_steps = max(1, min(warmup, self.total_steps))
+
+        trainable = [p for p in draft_model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the draft model has no trainable parameters")
+        optimizer = torch.optim.AdamW(
+            trainable, lr=settings.lr, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, cosine_with_warmup(self.total_steps, self.warmup_steps, settings.min_lr_ratio)
+        )
+        use_flex = {"auto": None, "dense": False, "flex": True}[settings.attention]
+        module = _ObjectiveModule(draft_model, settings.gamma, use_flex)
+        if settings.zero_stage == 3:
+            # mask_rep is read directly (not through a submodule's forward): gather it with the wrapper.
+            deepspeed.zero.register_external_parameter(module, draft_model.midlayer.mask_rep)
+        self.ds_config = self._deepspeed_config()
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            model_parameters=trainable,
+            config=self.ds_config,
+        )
+        self.step = 0  # optimiser steps done
+        self.best: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []
+        # Seconds spent getting target states (target forward or cache read) vs the draft's step.
+        self.timings: dict[str, float] = {"states": 0.0, "draft": 0.0}
+
+    # ------------------------------------------------------------------------------ configuration
+    def _deepspeed_config(self) -> dict[str, Any]:
+        s = self.settings
+        config: dict[str, Any] = {
+            # Batches are variable-size (length bucketing); these numbers only satisfy DeepSpeed's
+            # bookkeeping (train_batch = micro x accumulation x world).
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": s.grad_accum,
+            "train_batch_size": s.grad_accum * self.world_size,
+            "gradient_clipping": s.grad_clip,
+            "zero_optimization": {"stage": s.zero_stage},
+            "bf16": {"enabled": bool(s.bf16)},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        for key, value in s.extra_ds_config.items():
+            if isinstance(value, Mapping) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **value}
+            else:
+                config[key] = value
+        return config
+
+    @property
+    def draft_model(self) -> nn.Module:
+        return self.engine.module.draft
+
+    # ------------------------------------------------------------------------------------ training
+    def _micro_step(self, batch: Mapping[str, Any]) -> tuple[ObjectiveOutput, int]:
+        started = time.perf_counter()
+        with torch.no_grad():
+            states = self.state_source(batch)
+        after_states = time.perf_counter()
+        position_ids = states.get("position_ids")
+        layout = build_layout(
+            states["loss_mask"],
+            self.draft_model.config.draft_length,
+            position_ids=position_ids,
+            document_ids=states.get("document_ids"),
+            max_anchors=self.settings.max_anchors,
+            generator=self.anchor_rng,
+        )
+        out = self.engine(states, layout)
+        self.engine.backward(out.loss)
+        self.engine.step()
+        self.timings["states"] += after_states - started
+        self.timings["draft"] += time.perf_counter() - after_states
+        return out, int(states["loss_mask"].sum())
+
+    def train(self) -> dict[str, Any]:
+        """Train to the end (resuming from the last checkpoint is `resume()` before this)."""
+        from tqdm.auto import tqdm
+
+        s = self.settings
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, disable=not s.progress or _rank() != 0,
+            desc="dart-train", dynamic_ncols=True,
+        )
+        window = _Window(self.draft_model.config.draft_length)
+        micro = 0
+        started = time.perf_counter()
+        empty_passes = 0
+        while self.step < self.total_steps:
+            progressed = False
+            for batch in self.loader:
+                progressed = True
+                empty_passes = 0
+                out, loss_tokens = self._micro_step(batch)
+                window.add(out, int(batch["attention_mask"].sum()) if "attention_mask" in batch else
+                           int(batch["input_ids"].numel()), loss_tokens)
+                micro += 1
+                if micro % s.grad_accum:
+                    continue
+                self.step += 1
+                metrics = window.flush(lr=self.scheduler.get_last_lr()[0], step=self.step)
+                self.history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", a1=f"{metrics['alpha_1']:.3f}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+                if self.step % s.log_every == 0 or self.step == self.total_steps:
+                    self._log(metrics)
+                last = self.step == self.total_steps
+                if self.evaluator is not None and (last or (s.eval_every and self.step % s.eval_every == 0)):
+                    self._update_best(self._evaluate())
+                if last or (s.save_every and self.step % s.save_every == 0):
+                    self.save_checkpoint()
+                if last:
+                    break
+            # A resumed loader may sit at the very end of an epoch: one empty pass is normal.
+            empty_passes += not progressed
+            if empty_passes > 1:
+                raise ValueError("the training loader yielded no batch: empty dataset?")
+        bar.close()
+        self.export(self.run_dir / HEAD_DIR)
+        summary = {
+            "steps": self.step,
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "seconds": time.perf_counter() - started,
+            "best": self.best,
+            "head": str(self.run_dir / HEAD_DIR),
+            "timings": dict(self.timings),
+        }
+        if _rank() == 0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _evaluate(self) -> float | None:
+        model = self.draft_model
+        model.eval()
+        with torch.no_grad(), self._gathered(model):
+            result = dict(self.evaluator(model))
+        model.train()
+        result = {f"eval/{k}": v for k, v in result.items()}
+        result["step"] = self.step
+        self._log(result)
+        tau = result.get("eval/tau")
+        return float(tau) if tau is not None else None
+
+    def _log(self, metrics: Mapping[str, Any]) -> None:
+        if _rank() != 0:
+            return
+        with open(self.run_dir / METRICS_FILE, "a") as fh:
+            fh.write(json.dumps(dict(metrics)) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(dict(metrics), step=int(metrics["step"]))
+
+    # --------------------------------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / CHECKPOINT_DIR
+
+    def _update_best(self, tau: float | None) -> None:
+        """Export the head to `best/` when this evaluation's simulated τ is the highest so far."""
+        if tau is None or (self.best is not None and tau <= self.best["tau"]):
+            return
+        self.best = {"tau": tau, "step": self.step}
+        self.export(self.run_dir / BEST_DIR)
+        if _rank() == 0:
+            (self.run_dir / BEST_DIR / "best.json").write_text(json.dumps(self.best, indent=2))
+
+    def save_checkpoint(self) -> str:
+        """DeepSpeed checkpoint of this step + client state (incl. data position, RNG); keep-last-N."""
+        tag = f"step_{self.step:08d}"
+        client_state = {
+            "dart_step": self.step,
+            "loader": self.loader.state_dict(),
+            "rng": _rng_state(),
+            "anchor_rng": self.anchor_rng.get_state(),
+            "best": self.best,
+            "settings": asdict(self.settings),
+        }
+        self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state)
+        self._rotate()
+        return tag
+
+    def _rotate(self) -> None:
+        if _rank() != 0:
+            return
+        tags = sorted(p.name for p in self.checkpoint_dir.glob("step_*") if p.is_dir())
+        for old in tags[: -self.settings.keep_last]:
+            shutil.rmtree(self.checkpoint_dir / old, ignore_errors=True)
+
+    def latest_tag(self) -> str | None:
+        pointer = self.checkpoint_dir / "latest"
+        return pointer.read_text().strip() if pointer.is_file() else None
+
+    def resume(self, tag: str | None = None) -> bool:
+        """Load the newest (or the given) checkpoint; False when there is none."""
+        tag = tag or self.latest_tag()
+        if tag is None:
+            return False
+        path, client = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=tag)
+        if path is None or client is None:
+            raise RuntimeError(f"could not load checkpoint {tag!r} from {self.checkpoint_dir}")
+        self.step = int(client["dart_step"])
+        self.loader.load_state_dict(client["loader"])
+        _set_rng_state(client["rng"])
+        self.anchor_rng.set_state(client["anchor_rng"])
+        self.best = client.get("best")
+        log.info("resumed from %s at step %d", tag, self.step)
+        return True
+
+    def export(self, out_dir: str | os.PathLike[str]) -> Path:
+        """Write the head in HF format (config.json + model.safetensors, authors' key names)."""
+        out = Path(out_dir)
+        model = self.draft_model
+        with self._gathered(model):
+            if _rank() == 0:
+                state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+                model.save_pretrained(out, state_dict=state)
+        return out
+
+    def _gathered(self, model: nn.Module) -> Any:
+        """Full parameters for code that runs outside the engine's forward (ZeRO-3 shards them)."""
+        if self.settings.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+
+
+class _Window:
+    """Accumulates micro-batch statistics between optimiser steps (exact α_j / KL over rows)."""
+
+    def __init__(self, draft_length: int) -> None:
+        self.d = draft_length
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = 0.0
+        self.micro = 0
+        self.kl_sum = torch.zeros(self.d)
+        self.correct = torch.zeros(self.d)
+        self.rows = torch.zeros(self.d)
+        self.tokens = 0
+        self.loss_tokens = 0
+        self.started = time.perf_counter()
+
+    def add(self, out: ObjectiveOutput, tokens: int, loss_tokens: int) -> None:
+        self.loss += float(out.loss.detach())
+        self.micro += 1
+        self.kl_sum += out.kl_sum.detach().float().cpu()
+        self.correct += out.correct.detach().float().cpu()
+        self.rows += out.rows.detach().float().cpu()
+        self.tokens += tokens
+        self.loss_tokens += loss_tokens
+
+    def flush(self, *, lr: float, step: int) -> dict[str, Any]:
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        rows = self.rows.clamp(min=1)
+        metrics: dict[str, Any] = {
+            "step": step,
+            "loss": self.loss / max(self.micro, 1),
+            "lr": lr,
+            "tokens": self.tokens,
+            "tokens_per_s": self.tokens / seconds,
+        }
+        for j in range(self.d):
+            metrics[f"alpha_{j + 1}"] = float(self.correct[j] / rows[j])
+            metrics[f"kl_{j + 1}"] = float(self.kl_sum[j] / rows[j])
+        self.reset()
+        return metrics

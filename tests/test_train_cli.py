@@ -1,0 +1,197 @@
+"""`dart-train` end to end on a tiny random Llama (CI-sized), resume/refuse, config errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dart_infer.cli import configs_dir
+
+CONVERSATIONS = [
+    {"messages": [
+        {"role": "user", "content": f"Count from {i} to {i + 5}, please."},
+        {"role": "assistant", "content": " ".join(str(k) for k in range(i, i + 6)) + ". Done counting!"},
+        {"role": "user", "content": "And the square of the first number?"},
+        {"role": "assistant", "content": f"The square of {i} is {i * i}."},
+    ]}
+    for i in range(12)
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer (and chat template), saved like a Hub model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    smollm2_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def conversations_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in CONVERSATIONS) + "\n")
+    return path
+
+
+def overrides(checkpoint: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "model=custom", f"model.name_or_path={checkpoint}",
+        "data=jsonl", f"data.source={data}",
+        "trainer=cpu", "trainer.max_steps=3", "trainer.grad_accum=1", "trainer.max_tokens=512",
+        "trainer.save_every=1", "trainer.max_anchors=16",
+        "preprocess.max_length=96", "draft.draft_length=4", "draft.draft_vocab_size=512",
+        f"train_eval.source={data}", "train_eval.split=null", "train_eval.limit=3", "train_eval.every=2",
+        "logging.wandb.enabled=false", "logging.progress=false", "logging.log_every=1",
+        f"output_dir={out}", f"output_root={out.parent / 'artifacts'}", *extra,
+    ]
+
+
+def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    # A fresh single-process world: drop the rendezvous variables earlier in-process tests set.
+    dist_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    code = "from dart_train.cli import main; main()"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args, f"hydra.run.dir={cwd / 'hydra'}"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversations_file, tmp_path) -> None:
+    from dart_infer.generate import DartModel
+
+    out = tmp_path / "run"
+    result = run_cli(overrides(tiny_checkpoint, conversations_file, out), tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "# resolved config (train)" in result.stdout
+    saved = OmegaConf.load(out / "config.yaml")
+    assert saved.trainer.max_steps == 3 and saved.model.name_or_path == str(tiny_checkpoint)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m and "eval/tau" not in m] == [1, 2, 3]
+    taus = [m["eval/tau"] for m in metrics if "eval/tau" in m]
+    assert len(taus) == 2 and all(t >= 1.0 for t in taus)
+    assert (out / "best" / "best.json").is_file()
+
+    # The exported head loads through the serving API and decodes.
+    dart = DartModel.from_pretrained(str(tiny_checkpoint), str(out / "head"))
+    assert dart.draft_model.config.draft_length == 4
+    prompt = dart.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Count from 3 to 8, please."}], add_generation_prompt=True, return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    generated = dart.dart_generate(prompt, max_new_token_num=8)
+    reference = dart.base_model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(generated[0, : reference.shape[1]], reference[0, : generated.shape[1]])
+
+    # Same output dir again: refused without resume=true, nothing overwritten.
+    before = (out / "metrics.jsonl").read_text()
+    again = run_cli(overrides(tiny_checkpoint, conversations_file, out), tmp_path)
+    assert again.returncode != 0
+    assert "already holds a run" in again.stderr and "resume=true" in again.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+
+    # resume=true with a larger budget continues from step 3.
+    more = run_cli(overrides(tiny_checkpoint, conversations_file, out, "resume=true", "trainer.max_steps=5"), tmp_path)
+    assert more.returncode == 0, more.stderr[-4000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line) and "eval/tau" not in json.loads(line)]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def _compose(*extra: str):
+    with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
+        return compose(config_name="train", overrides=list(extra))
+
+
+def test_defaults_compose_with_paper_recipe() -> None:
+    cfg = _compose()
+    assert cfg.model.name_or_path == "smollm2-135m-instruct"
+    assert cfg.data.source == "sharegpt" and cfg.data.split == "train"
+    assert cfg.optim.lr == 2e-5 and list(cfg.optim.betas) == [0.9, 0.999] and cfg.optim.grad_clip == 0.5
+    assert cfg.optim.epochs == 3 and cfg.optim.gamma == 0.6
+    assert cfg.draft.draft_length == 8
+    assert cfg.train_eval.tree.remain_total >= 1
+    zero3 = _compose("trainer=zero3")
+    assert zero3.trainer.zero_stage == 3 and zero3.trainer.bf16
+
+
+def test_unknown_keys_are_errors() -> None:
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        _compose("trainer.max_step=3")  # typo of max_steps
+    with pytest.raises(ConfigCompositionException):
+        _compose("optim.learning_rate=1e-4")
+
+
+def test_run_dir_checks(tmp_path: Path) -> None:
+    from dart_train.cli import RunDirError, prepare_run_dir
+
+    run = tmp_path / "r"
+    assert prepare_run_dir(run, resume=False) is False
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(RunDirError, match="resume=true"):
+        prepare_run_dir(run, resume=False)
+    assert prepare_run_dir(run, resume=True) is True
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        with pytest.raises(RunDirError, match="not writable"):
+            prepare_run_dir(locked / "run", resume=False)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(RunDirError, match="not writable"):
+        prepare_run_dir(blocker / "run", resume=False)
+
+
+def test_draft_config_that_does_not_fit_the_target(tiny_checkpoint, conversations_file, tmp_path) -> None:
+    from dart_train.cli import train
+
+    cfg = _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "a", "draft.draft_vocab_size=10000000"))
+    with pytest.raises(ValueError, match="does not fit the target"):
+        train(cfg)
+    cfg = _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "b", "trainer.zero_stage=5"))
+    with pytest.raises(ValueError, match="zero_stage"):
+        train(cfg)
+
+
+def test_dataset_without_assistant_turns_is_a_clear_error(tiny_checkpoint, tmp_path) -> None:
+    from dart_train.cli import train
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    cfg = _compose(*overrides(tiny_checkpoint, data, tmp_path / "run"))
+    with pytest.raises(ValueError, match="empty dataset"):
+        train(cfg)
+
+
+def test_deepspeed_launcher_local_rank_argument(monkeypatch) -> None:
+    import dart_train.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_hydra_main", lambda: seen.setdefault("argv", list(sys.argv[1:])))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["dart-train", "--local_rank=3", "trainer=zero2", "seed=1"])
+    cli.main()
+    assert seen["argv"] == ["trainer=zero2", "seed=1"]
+    assert os.environ["LOCAL_RANK"] == "3"

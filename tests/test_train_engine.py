@@ -1,0 +1,240 @@
+"""DeepSpeed engine: training lowers the loss, exact resume after a kill, rotation, export, ZeRO stages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dart_infer.model import DartDraftConfig, DartDraftModel
+from dart_infer.target import TargetModel
+from dart_train.data import LengthBucketBatchSampler, ResumableLoader, TokenizedDataset, build_vocab_mapping
+from dart_train.engine import DartTrainer, TrainSettings, cosine_with_warmup
+from dart_train.states import OnlineStateSource
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )
+    return TargetModel(LlamaForCausalLM(cfg).eval())
+
+
+@pytest.fixture(scope="module")
+def dataset() -> TokenizedDataset:
+    gen = torch.Generator().manual_seed(1)
+    sequences = []
+    for i in range(12):
+        n = 12 + (i * 5) % 17
+        ids = torch.randint(0, VOCAB, (n,), generator=gen)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[n // 3 :] = True
+        sequences.append({"input_ids": ids, "loss_mask": mask})
+    return TokenizedDataset(sequences)
+
+
+def make_head(target: TargetModel, dataset: TokenizedDataset, draft_length: int = 4) -> DartDraftModel:
+    torch.manual_seed(2)
+    cfg = DartDraftConfig.from_target_config(target.model.config, draft_length=draft_length, draft_vocab_size=48)
+    head = DartDraftModel(cfg)
+    head.set_target_embedding(target.embedding_weight)
+    head.set_vocab_mapping(build_vocab_mapping(dataset.sequences, VOCAB, 48))
+    return head
+
+
+def make_trainer(target, dataset, run_dir: Path, **overrides) -> DartTrainer:
+    settings = dict(
+        lr=3e-3, max_steps=6, grad_accum=2, warmup_steps=2, max_anchors=6, seed=3, log_every=1,
+        save_every=2, keep_last=2, progress=False,
+    )
+    settings.update(overrides)
+    loader = ResumableLoader(dataset, LengthBucketBatchSampler(dataset.lengths, batch_size=2, seed=5))
+    source = OnlineStateSource(target, topk=16, hidden_dtype=torch.float32)
+    return DartTrainer(make_head(target, dataset), source, loader, TrainSettings(**settings), run_dir)
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_cosine_with_warmup_shape() -> None:
+    f = cosine_with_warmup(total_steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    assert f(0) == pytest.approx(0.5) and f(1) == pytest.approx(1.0)
+    assert f(2) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(0.1)
+    values = [f(s) for s in range(2, 11)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+
+
+def test_exact_resume_after_kill(target, dataset, tmp_path: Path) -> None:
+    full = make_trainer(target, dataset, tmp_path / "full")
+    full.train()
+    reference = losses(tmp_path / "full")
+    assert len(reference) == 6
+
+    # Kill the run in the middle of step 5 (after the step-4 checkpoint, with one micro-batch of
+    # step 5 already consumed), then resume in a fresh trainer from what is on disk.
+    part_dir = tmp_path / "part"
+    first = make_trainer(target, dataset, part_dir)
+    source, calls = first.state_source, []
+
+    def dying_source(batch):
+        calls.append(1)
+        if len(calls) == 4 * 2 + 2:  # second micro-batch of step 5 (grad_accum=2)
+            raise KeyboardInterrupt("killed")
+        return source(batch)
+
+    first.state_source = dying_source
+    with pytest.raises(KeyboardInterrupt):
+        first.train()
+    assert first.latest_tag() == "step_00000004"
+    assert len(losses(part_dir)) == 4
+    second = make_trainer(target, dataset, part_dir)
+    assert second.resume()
+    assert second.step == 4
+    second.train()
+    resumed = losses(part_dir)
+    assert resumed[:4] == reference[:4]
+    assert resumed[4:] == reference[4:], (resumed, reference)
+
+    # keep-last-N rotation and the exported head
+    tags = sorted(p.name for p in (part_dir / "checkpoints").glob("step_*"))
+    assert tags == ["step_00000004", "step_00000006"]
+    head = DartDraftModel.from_pretrained(part_dir / "head")
+    full_head = DartDraftModel.from_pretrained(tmp_path / "full" / "head")
+    for (k, a), (_, b) in zip(head.state_dict().items(), full_head.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_training_reduces_loss_and_export_has_author_keys(target, dataset, tmp_path: Path) -> None:
+    trainer = make_trainer(
+        target, dataset, tmp_path, lr=1e-2, max_steps=40, grad_accum=1, save_every=None, max_anchors=None
+    )
+    first_params = {k: v.clone() for k, v in trainer.draft_model.named_parameters()}
+    trainer.train()
+    curve = losses(tmp_path)
+    assert sum(curve[-5:]) / 5 < 0.8 * sum(curve[:5]) / 5
+    # Only the head's own parameters were trained; the target and its embedding are untouched.
+    assert all(not p.requires_grad for p in target.model.parameters())
+    changed = [k for k, v in trainer.draft_model.named_parameters() if not torch.equal(v, first_params[k])]
+    assert "fc.weight" in changed and "midlayer.mask_rep" in changed
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "head" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "fc.weight" in keys and "midlayer.mask_rep" in keys and "d2t" in keys and "t2d" in keys
+    assert not any("embed_tokens" in k for k in keys)
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["draft_length"] == 4 and config["draft_vocab_size"] == 48
+
+
+def test_best_checkpoint_follows_tau(target, dataset, tmp_path: Path) -> None:
+    taus = iter([1.5, 2.5, 2.0])
+    # Evaluations at steps 1-3, checkpoints only at 3: best/ does not depend on the checkpoint cadence.
+    trainer = make_trainer(target, dataset, tmp_path, max_steps=3, grad_accum=1, save_every=None, keep_last=1)
+    trainer.settings.eval_every = 1
+    trainer.evaluator = lambda model: {"tau": next(taus)}
+    trainer.train()
+    best = json.loads((tmp_path / "best" / "best.json").read_text())
+    assert best == {"tau": 2.5, "step": 2}
+    assert (tmp_path / "best" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000003"]
+
+
+@pytest.mark.parametrize("stage,bf16", [(2, False), (3, True)])
+def test_zero_stages_train(target, dataset, tmp_path: Path, stage: int, bf16: bool) -> None:
+    from dart_train.evaluate import SimulatedTau
+
+    trainer = make_trainer(target, dataset, tmp_path, max_steps=2, grad_accum=1, zero_stage=stage, bf16=bf16)
+    # The evaluator runs outside the engine's forward: under ZeRO-3 it needs the gathered weights.
+    trainer.evaluator = SimulatedTau(
+        TokenizedDataset(dataset.sequences[:2]), OnlineStateSource(target, topk=8, hidden_dtype=torch.float32),
+        eos_token_id=2, tree={"draft_top_k": 4, "beam_width": 4, "remain_total": 8}, anchors_per_sequence=4,
+    )
+    trainer.train()
+    curve = losses(tmp_path)
+    assert len(curve) == 2 and all(torch.isfinite(torch.tensor(curve)))
+    best = json.loads((tmp_path / "best" / "best.json").read_text())
+    assert best["step"] == 2 and best["tau"] >= 1.0
+    head = DartDraftModel.from_pretrained(tmp_path / "head")
+    assert head.fc.weight.shape == (32, 3 * 32)
+    assert head.midlayer.mask_rep.abs().sum() > 0
+
+
+def test_bad_settings() -> None:
+    with pytest.raises(ValueError, match="zero_stage"):
+        TrainSettings(zero_stage=4)
+    with pytest.raises(ValueError, match="grad_accum"):
+        TrainSettings(grad_accum=0)
+
+
+# ------------------------------------------------------------------------------ simulated τ (evaluate)
+
+
+def test_accepted_length_on_a_hand_built_tree() -> None:
+    from dart_train.evaluate import accepted_length
+
+    # root(0) → 1:[5] → 3:[7] ; root → 2:[6] → 4:[8] → 5:[9]
+    tokens = torch.tensor([1, 5, 6, 7, 8, 9])
+    retrieve = torch.tensor([[0, 1, 3, -1], [0, 2, 4, 5]])
+    assert accepted_length(tokens, retrieve, [5, 7, 1]) == 2
+    assert accepted_length(tokens, retrieve, [6, 8, 9, 3]) == 3
+    assert accepted_length(tokens, retrieve, [6, 8]) == 2  # reference shorter than the path
+    assert accepted_length(tokens, retrieve, [4]) == 0
+
+
+def test_simulated_tau_matches_dart_generate_on_greedy_data(target) -> None:
+    """On target-greedy data, simulated acceptance per anchor == DartModel's acceptance at that step."""
+    from dart_infer.generate import DartModel
+    from dart_train.evaluate import SimulatedTau
+
+    torch.manual_seed(11)
+    cfg = DartDraftConfig.from_target_config(target.model.config, draft_length=4, draft_vocab_size=VOCAB)
+    head = DartDraftModel(cfg).eval()  # random head; the small vocab makes deep acceptances common
+    tree = {"draft_top_k": 25, "beam_width": 20, "remain_total": 60}
+    dart = DartModel(target.model, head, tree=tree)
+    sequences, steps = [], []
+    for i in range(4):
+        prompt = torch.randint(3, VOCAB, (6 + i,), generator=torch.Generator().manual_seed(20 + i))
+        out, stats = dart.dart_generate(prompt, max_new_token_num=40, return_stats=True)
+        ref = target.model.generate(prompt[None], max_new_tokens=40, do_sample=False, min_new_tokens=40)
+        seq = out[0]
+        if seq.numel() < ref.shape[1]:
+            continue  # stopped at EOS: the plain-generate reference is longer
+        assert torch.equal(seq, ref[0])
+        mask = torch.zeros(seq.numel(), dtype=torch.bool)
+        mask[prompt.numel() :] = True
+        sequences.append({"input_ids": seq, "loss_mask": mask})
+        history = prompt.numel() + 1  # prompt + the prefill's root
+        for accepted, emitted in zip(stats.accept_lengths, stats.emitted, strict=True):
+            steps.append((len(sequences) - 1, history - 2, accepted))
+            history += emitted
+    assert len(sequences) >= 2
+    dataset = TokenizedDataset(sequences)
+    evaluator = SimulatedTau(
+        dataset, OnlineStateSource(target, topk=None, hidden_dtype=torch.float32),
+        eos_token_id=int(target.model.config.eos_token_id), tree=tree, anchors_per_sequence=10_000, batch_size=2,
+    )
+    results, _ = evaluator.anchor_results(head)
+    by_anchor = {(r[0], r[1]): r for r in results}
+    compared = 0
+    for index, t, accepted in steps:
+        if t + 2 + 4 > sequences[index]["input_ids"].numel() or (index, t) not in by_anchor:
+            continue  # the data ends inside this step's window
+        _, _, data_acc, target_acc = by_anchor[(index, t)]
+        assert data_acc == accepted, (index, t)
+        assert target_acc == accepted, (index, t)
+        compared += 1
+    assert compared >= 10
+    assert any(a > 1 for _, _, a in steps)
+    summary = evaluator(head)
+    assert summary["tau"] == summary["tau_data"] > 1.0
