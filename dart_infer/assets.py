@@ -131,7 +131,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -144,7 +144,7 @@ def _write_manifest(directory: Path, source: Path) -> None:
     for path in sorted(directory.iterdir()):
         if path.is_file() and path.name != MANIFEST:
             stat = path.stat()
-            files[path.name] = {"size": stat.st_size, "sha256": _sha256(path), "mtime_ns": stat.st_mtime_ns}
+            files[path.name] = {"size": stat.st_size, "sha256": sha256_file(path), "mtime_ns": stat.st_mtime_ns}
     manifest = {"version": CONVERSION_VERSION, "source": source.name, "files": files}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -165,7 +165,7 @@ def _cache_entry_is_valid(directory: Path) -> bool:
             return False
         if stat.st_size != expected["size"]:
             return False
-        if stat.st_mtime_ns != expected["mtime_ns"] and _sha256(path) != expected["sha256"]:
+        if stat.st_mtime_ns != expected["mtime_ns"] and sha256_file(path) != expected["sha256"]:
             return False
     return True
 

@@ -1,19 +1,66 @@
-"""`dart-demo`: the end-to-end main job on the embedded defaults (Hydra app, configs/demo.yaml)."""
+"""`dart-demo`: the end-to-end main job (configs/demo.yaml): trie → trained head → τ and speedup.
+
+Each stage composes its own entry point's config (`ngram`, `train`, `eval`) with the demo's overrides
+and calls the same function that entry point runs, so the demo exercises exactly the user-facing path.
+"""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+from hydra import compose
 from omegaconf import DictConfig
 
-from dart_infer.assets import resolve_model
 from dart_infer.cli import hydra_app
-from dart_infer.conversations import load_conversations
+
+log = logging.getLogger(__name__)
+
+
+def _compose(name: str, cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    shared = [f"model.name_or_path={cfg.model.name_or_path}", f"model.dtype={cfg.model.dtype}"]
+    return compose(config_name=name, overrides=[*shared, *overrides])
+
+
+def build_trie(cfg: DictConfig) -> Path:
+    from ngram_builder.cli import run_build
+
+    ngram_cfg = _compose("ngram", cfg, list(cfg.ngram_overrides))
+    trie = Path(ngram_cfg.out_dir) / "full.ngt"
+    if trie.exists():
+        print(f"[demo 1/3] reusing the trie {trie} (delete it to rebuild)", flush=True)
+        return trie
+    print(f"[demo 1/3] building the n-gram trie from {ngram_cfg.ngram.name} into {ngram_cfg.out_dir}", flush=True)
+    run_build(ngram_cfg)
+    return trie
+
+
+def train_head(cfg: DictConfig, trie: Path) -> Path:
+    from dart_train.cli import train
+
+    run_dir = Path(cfg.out_dir) / "train"
+    train_cfg = _compose(
+        "train", cfg, [*cfg.train_overrides, f"output_dir={run_dir}", f"train_eval.ngram_model={trie}"]
+    )
+    print(f"[demo 2/3] training a DART head into {run_dir}", flush=True)
+    summary = train(train_cfg)
+    return Path(summary["head"])
 
 
 @hydra_app("demo")
 def main(cfg: DictConfig) -> None:
-    model_path = resolve_model(cfg.model.name_or_path)
-    train = load_conversations(cfg.data.source, split=cfg.data.split, limit=cfg.data.limit)
-    prompts = load_conversations(cfg.eval_data.source, split=cfg.eval_data.split, limit=cfg.eval_data.limit)
-    print(f"model: {model_path}")
-    print(f"training data: {cfg.data.source}/{cfg.data.split}: {len(train)} conversations")
-    print(f"eval prompts: {cfg.eval_data.source}: {len(prompts)}")
+    from dart_infer.cli.eval import run_eval
+
+    trie = Path(cfg.ngram_model) if cfg.ngram_model else build_trie(cfg)
+    if cfg.draft_model:
+        head = Path(cfg.draft_model)
+        print(f"[demo 2/3] using the head {head}", flush=True)
+    else:
+        head = train_head(cfg, trie)
+    eval_cfg = _compose(
+        "eval", cfg,
+        [*cfg.eval_overrides, f"draft_model={head}", f"ngram_model={trie}", f"out_dir={Path(cfg.out_dir) / 'eval'}"],
+    )
+    print(f"[demo 3/3] evaluating on {list(eval_cfg.benchmarks)} (limit {eval_cfg.limit})", flush=True)
+    run_eval(eval_cfg)
+    print(f"head: {head}\ntrie: {trie}\nresults: {Path(cfg.out_dir) / 'eval'}", flush=True)

@@ -63,6 +63,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dart_infer.assets import sha256_file
+
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = "dart-states-v1"
@@ -164,14 +166,6 @@ def target_fingerprint(target: Any) -> str:
             p = parameter.detach().double()
             digest.update(f"{name}:{tuple(p.shape)}:{float(p.sum()):.9e}:{float(p.abs().sum()):.9e}".encode())
     return digest.hexdigest()[:32]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -319,7 +313,7 @@ def precompute_states(
         path = out / entry["file"]
         intact = path.exists() and path.stat().st_size == entry["bytes"]
         if intact and verify_existing:
-            intact = _sha256(path) == entry["sha256"]
+            intact = sha256_file(path) == entry["sha256"]
         if not intact:
             log.warning("state cache shard %s is missing or corrupt; recomputing it", entry["file"])
             del done[str(shard)]
@@ -363,7 +357,7 @@ def precompute_states(
         save_file(tensors, str(tmp), metadata={"dart": json.dumps({"format": CACHE_FORMAT, "shard": shard, "first": first})})
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        checksum = _sha256(tmp)
+        checksum = sha256_file(tmp)
         os.replace(tmp, out / name)
         entry = {
             "shard": shard,
@@ -445,7 +439,7 @@ class OfflineStateSource:
         if not path.exists():
             raise StateCacheError(f"state cache shard {path} is missing: run precompute_states on {self.cache_dir}")
         if self.verify and shard not in self._verified:
-            if _sha256(path) != entry["sha256"]:
+            if sha256_file(path) != entry["sha256"]:
                 raise StateCacheError(
                     f"state cache shard {path} is corrupt (sha256 mismatch): run precompute_states on "
                     f"{self.cache_dir} to recompute it"
