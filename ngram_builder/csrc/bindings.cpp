@@ -117,17 +117,37 @@ class PyTrie {
   py::tuple probability(py::handle context, py::handle tokens) {
     std::vector<int32_t> ctx = to_ids(context, "context");
     std::vector<int32_t> tok = to_ids(tokens, "tokens");
-    auto v = frozen();
-    std::vector<float> probs(tok.size());
-    std::vector<int32_t> matched(tok.size());
-    if (!v->probability_checked(ctx.data(), ctx.size(), tok.data(), tok.size(), probs.data(), matched.data()))
-      throw FormatError("corrupt trie data met while answering a query (load with verify=True to check)");
-    py::list p(tok.size()), m(tok.size());
-    for (size_t i = 0; i < tok.size(); ++i) {
-      p[i] = py::float_(static_cast<double>(probs[i]));
-      m[i] = py::int_(matched[i]);
+    if (dirty_) freeze();
+    const size_t n = tok.size();
+    // The common call (a drafter's top-k) fits on the stack; the lists are filled through the C API
+    // (this path is mostly Python object overhead, the query itself is ~1 µs).
+    float p_small[64];
+    int32_t m_small[64];
+    std::vector<float> p_big;
+    std::vector<int32_t> m_big;
+    float* probs = p_small;
+    int32_t* matched = m_small;
+    if (n > 64) {
+      p_big.resize(n);
+      m_big.resize(n);
+      probs = p_big.data();
+      matched = m_big.data();
     }
-    return py::make_tuple(p, m);
+    if (!view_->probability_checked(ctx.data(), ctx.size(), tok.data(), n, probs, matched))
+      throw FormatError("corrupt trie data met while answering a query (load with verify=True to check)");
+    py::list p(n), m(n);
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* f = PyFloat_FromDouble(static_cast<double>(probs[i]));
+      PyObject* k = PyLong_FromLong(matched[i]);
+      if (!f || !k) {
+        Py_XDECREF(f);
+        Py_XDECREF(k);
+        throw py::error_already_set();
+      }
+      PyList_SET_ITEM(p.ptr(), static_cast<Py_ssize_t>(i), f);  // steals the references
+      PyList_SET_ITEM(m.ptr(), static_cast<Py_ssize_t>(i), k);
+    }
+    return py::make_tuple(std::move(p), std::move(m));
   }
 
   py::tuple probability_batch(py::handle contexts, py::handle tokens) {

@@ -8,6 +8,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace ngb {
 
@@ -222,6 +225,25 @@ TrieView::TrieView(std::shared_ptr<Image> image, bool verify, const std::string&
     prev = t;
     if (dense) dense1_[t] = static_cast<uint32_t>(i + 1);
   }
+  if (dense && order >= 2 && hash_slots_) {
+    uni_.assign(hdr_.vocab_size, Unigram{});
+    for (uint64_t i = 0; i < lv_[1].n; ++i) {
+      Unigram& u = uni_[token_at(lv_[1], i)];
+      u.idx1 = static_cast<uint32_t>(i + 1);
+      const uint64_t s = child_at(lv_[1], i), e = child_at(lv_[1], i + 1);
+      bool ok = true;
+      const uint64_t c = count_checked(1, i, ok);
+      if (!ok || s > e || e > lv_[2].n) {
+        u.s = 1;  // corrupt: a query touching it reports it
+        continue;
+      }
+      u.s = static_cast<uint32_t>(s);  // < 2^32: the hash's node indices are u32
+      u.e = static_cast<uint32_t>(e);
+      u.inv = c ? 1.0f / static_cast<float>(c) : 0.0f;
+    }
+    dense1_.clear();
+    dense1_.shrink_to_fit();
+  }
   if (verify) full_verify(what);
 }
 
@@ -284,7 +306,9 @@ void TrieView::full_verify(const std::string& what) const {
   }
 }
 
-uint64_t TrieView::ram_bytes() const { return image_->size() + dense1_.size() * sizeof(uint32_t); }
+uint64_t TrieView::ram_bytes() const {
+  return image_->size() + dense1_.size() * sizeof(uint32_t) + uni_.size() * sizeof(Unigram);
+}
 
 uint64_t TrieView::count_checked(int k, uint64_t i, bool& ok) const {
   const LevelView& L = lv_[k];
@@ -330,8 +354,8 @@ bool TrieView::find_child(int k, uint64_t i, int64_t tok, uint64_t& out, bool& o
   const uint32_t t = static_cast<uint32_t>(tok);
   uint64_t s, e;
   if (k == 0) {
-    if (!dense1_.empty()) {
-      uint32_t idx = dense1_[t];
+    if (!uni_.empty() || !dense1_.empty()) {
+      uint32_t idx = uni_.empty() ? dense1_[t] : uni_[t].idx1;
       if (!idx) return false;
       out = idx - 1;
       return true;
@@ -408,7 +432,7 @@ void search_lockstep(const uint8_t* base, uint64_t s, uint64_t e, const uint32_t
 }
 }  // namespace
 
-bool TrieView::probability_checked(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
+bool TrieView::probability_generic(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
                                    float* probs, int32_t* matched) const {
   for (size_t i = 0; i < n; ++i) {
     probs[i] = 0.0f;
@@ -504,6 +528,237 @@ bool TrieView::probability_checked(const int32_t* context, size_t context_len, c
       }
     }
   }
+  return ok;
+}
+
+namespace {
+constexpr uint32_t kNoKey = UINT32_MAX;  // a candidate outside the vocabulary: matches nothing
+
+// Prefetches the elements [s, e) of an array of `width`-byte values when they span at most
+// `max_lines` cache lines (a query is bound by how many lines it touches, so larger runs are read
+// on demand).
+inline void prefetch_small(const uint8_t* base, uint64_t s, uint64_t e, uint32_t width, uint64_t max_lines) {
+  if (s >= e) return;
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(base + s * width) & ~uintptr_t{63};
+  const uintptr_t hi = reinterpret_cast<uintptr_t>(base + e * width);
+  if (hi - lo > max_lines * 64) return;
+  for (uintptr_t q = lo; q < hi; q += 64) __builtin_prefetch(reinterpret_cast<const void*>(q));
+}
+
+// Prefetches what a search of elements [s, e) (each `width` bytes) will read: all of it when it
+// spans at most 16 cache lines, else the probes of the first four binary-search steps.
+inline void prefetch_search(const uint8_t* base, uint64_t s, uint64_t e, uint32_t width) {
+  if (s >= e) return;
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(base + s * width) & ~uintptr_t{63};
+  const uintptr_t hi = reinterpret_cast<uintptr_t>(base + e * width);
+  if (hi - lo <= 16 * 64) {
+    for (uintptr_t q = lo; q < hi; q += 64) __builtin_prefetch(reinterpret_cast<const void*>(q));
+    return;
+  }
+  const uint64_t len = e - s;
+  for (uint64_t k = 1; k < 16; ++k) __builtin_prefetch(base + (s + len * k / 16) * width);
+}
+
+// Positions of `keys` in the sorted, duplicate-free tokens [s, e): equality compares instead of a
+// binary search when the run is short (the median 2-token context has ~20 children), 8 tokens per
+// SSE2 compare. Same answers as search_lockstep.
+template <class TT>
+inline void search_keys(const uint8_t* base, uint64_t s, uint64_t e, const uint32_t* keys, size_t n, uint64_t* out) {
+#if defined(__SSE2__)
+  if (sizeof(TT) == 2 && e - s >= 8 && e - s <= 64) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(base) + s;
+    const uint64_t len = e - s;
+    __m128i blk[8];
+    uint32_t off[8];
+    int nb = 0;
+    for (uint64_t o = 0; o + 8 <= len; o += 8) {
+      blk[nb] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + o));
+      off[nb++] = static_cast<uint32_t>(o);
+    }
+    if (len % 8) {  // the tail as one more block overlapping the previous one
+      blk[nb] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + len - 8));
+      off[nb++] = static_cast<uint32_t>(len - 8);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      out[i] = kNone;
+      if (keys[i] > 0xFFFF) continue;
+      const __m128i k = _mm_set1_epi16(static_cast<short>(keys[i]));
+      for (int b = 0; b < nb; ++b) {
+        const int m = _mm_movemask_epi8(_mm_cmpeq_epi16(blk[b], k));
+        if (m) {
+          out[i] = s + off[b] + (static_cast<uint32_t>(__builtin_ctz(static_cast<unsigned>(m))) >> 1);
+          break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  search_lockstep<TT>(base, s, e, keys, n, out);
+}
+
+// Level-2 node with token `tok` among [s, e) from hash slot `i` (TrieView::hash_probe, with the
+// token width fixed at compile time).
+template <class TT>
+inline uint64_t probe_slots(const uint8_t* hash, uint64_t slots, uint64_t max_probe, uint64_t i, uint32_t tok,
+                            uint64_t s, uint64_t e, const uint8_t* tokens) {
+  for (uint64_t probe = 0; probe < max_probe; ++probe) {
+    uint32_t j;
+    std::memcpy(&j, hash + i * 4, 4);
+    if (j == kHashEmpty) return kNone;
+    if (j >= s && j < e) {
+      TT v;
+      std::memcpy(&v, tokens + static_cast<uint64_t>(j) * sizeof(TT), sizeof(TT));
+      if (v == tok) return j;
+    }
+    if (++i == slots) i = 0;
+  }
+  return kNone;
+}
+}  // namespace
+
+template <class TT>
+void TrieView::query_block(const int32_t* ctx, size_t len, const int32_t* tokens, size_t n, float* probs,
+                           int32_t* matched, bool& ok) const {
+  const uint64_t V = hdr_.vocab_size;
+  // Every context is a path ending in the last token: if that is not a unigram, nothing matches.
+  const int32_t last = ctx[len - 1];
+  if (last < 0 || static_cast<uint64_t>(last) >= V) return;
+  const uint32_t a = static_cast<uint32_t>(last);
+  // The trie is far larger than the caches, so nearly every step is a cache miss (~200 ns here).
+  // The query runs as a few rounds in which all independent loads are issued together. The hash
+  // keys are tokens only, so the slots of the 2-token context and of every candidate under the
+  // 1-token context are known before anything is read: round 1 fetches them all.
+  const bool two = len >= 2 && ctx[len - 2] >= 0 && static_cast<uint64_t>(ctx[len - 2]) < V;
+  const uint32_t b = two ? static_cast<uint32_t>(ctx[len - 2]) : 0;
+  const uint64_t slot_ctx = two ? hash_slot(b, a, hash_slots_) : 0;
+  if (two) __builtin_prefetch(hash_ + slot_ctx * 4);
+  const Unigram ua = uni_[a];
+  const Unigram ub = two ? uni_[b] : Unigram{};
+  uint32_t key[kBlock];
+  uint64_t slot[kBlock];
+  for (size_t i = 0; i < n; ++i) {
+    key[i] = tokens[i] >= 0 && static_cast<uint64_t>(tokens[i]) < V ? static_cast<uint32_t>(tokens[i]) : kNoKey;
+    slot[i] = hash_slot(a, key[i], hash_slots_);
+    __builtin_prefetch(hash_ + slot[i] * 4);
+  }
+  const LevelView& L2 = lv_[2];
+  constexpr uint32_t tb = sizeof(TT);
+  if (ua.s > ua.e || ub.s > ub.e) ok = false;
+  const uint64_t s1 = ua.s <= ua.e ? ua.s : 0, e1 = ua.s <= ua.e ? ua.e : 0;
+  const uint64_t sb = ub.s <= ub.e ? ub.s : 0, eb = ub.s <= ub.e ? ub.e : 0;
+  const bool hash1 = e1 - s1 >= kHashMinRange, hashb = eb - sb >= kHashMinRange;
+  // Round 2: the level-2 nodes the slots point at (the first slot nearly always holds the match).
+  if (hashb) {
+    uint32_t v;
+    std::memcpy(&v, hash_ + slot_ctx * 4, 4);
+    if (v >= sb && v < eb) {
+      __builtin_prefetch(L2.tokens + static_cast<uint64_t>(v) * tb);
+      __builtin_prefetch(L2.child + static_cast<uint64_t>(v) * L2.child_bytes);
+      __builtin_prefetch(L2.counts + static_cast<uint64_t>(v) * L2.count_bytes);
+    }
+  } else {
+    prefetch_search(L2.tokens, sb, eb, tb);
+  }
+  if (hash1) {
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t v;
+      std::memcpy(&v, hash_ + slot[i] * 4, 4);
+      if (v >= s1 && v < e1) {
+        __builtin_prefetch(L2.tokens + static_cast<uint64_t>(v) * tb);
+        __builtin_prefetch(L2.counts + static_cast<uint64_t>(v) * L2.count_bytes);
+      }
+    }
+  } else {
+    prefetch_search(L2.tokens, s1, e1, tb);
+    prefetch_search(L2.counts, s1, e1, L2.count_bytes);
+  }
+  // Round 3: the 2-token context's node, then its children on level 3.
+  uint64_t s2 = 0, e2 = 0;
+  float inv2 = 0.0f;
+  if (eb > sb) {
+    uint64_t node = kNone;
+    if (hashb)
+      node = probe_slots<TT>(hash_, hash_slots_, hash_max_probe_, slot_ctx, a, sb, eb, L2.tokens);
+    else if (!search_tokens<TT>(L2.tokens, sb, eb, a, node))
+      node = kNone;
+    if (node != kNone) {
+      const LevelView& L3 = lv_[3];
+      s2 = child_at(L2, node);
+      e2 = child_at(L2, node + 1);
+      if (s2 > e2 || e2 > L3.n) ok = false, s2 = e2 = 0;
+      prefetch_search(L3.tokens, s2, e2, tb);
+      prefetch_small(L3.counts, s2, e2, L3.count_bytes, 2);
+      const uint64_t c = count_checked(2, node, ok);
+      // Same float arithmetic as the original (count * (1/ctx_count)), bit for bit. A zero
+      // context count (possible only after pruning) gives 0 instead of the original's NaN.
+      inv2 = c ? 1.0f / static_cast<float>(c) : 0.0f;
+    }
+  }
+  // Contexts longer than 2 tokens (order > 3), longest first; not the common case.
+  for (size_t l = len; l >= 3; --l) {
+    uint64_t node;
+    if (!find_path(ctx + len - l, l, node, ok)) continue;
+    const int k = static_cast<int>(l);
+    const uint64_t s = child_at(lv_[k], node), e = child_at(lv_[k], node + 1);
+    if (s > e || e > lv_[k + 1].n) {
+      ok = false;
+      continue;
+    }
+    if (s == e) continue;
+    const uint64_t c = count_checked(k, node, ok);
+    const float inv = c ? 1.0f / static_cast<float>(c) : 0.0f;
+    uint64_t found[kBlock];
+    search_lockstep<TT>(lv_[k + 1].tokens, s, e, key, n, found);
+    for (size_t i = 0; i < n; ++i) {
+      if (matched[i] || found[i] == kNone) continue;
+      probs[i] = static_cast<float>(count_checked(k + 1, found[i], ok)) * inv;
+      matched[i] = static_cast<int32_t>(l);
+    }
+  }
+  // Round 4: candidates under the 1-token context (their slots and nodes have arrived meanwhile),
+  // then under the 2-token context (its children have arrived meanwhile).
+  uint64_t found1[kBlock], found2[kBlock];
+  if (hash1)
+    for (size_t i = 0; i < n; ++i)
+      found1[i] = probe_slots<TT>(hash_, hash_slots_, hash_max_probe_, slot[i], key[i], s1, e1, L2.tokens);
+  else
+    search_keys<TT>(L2.tokens, s1, e1, key, n, found1);
+  search_keys<TT>(lv_[3].tokens, s2, e2, key, n, found2);
+  for (size_t i = 0; i < n; ++i)
+    if (found2[i] != kNone) __builtin_prefetch(lv_[3].counts + found2[i] * lv_[3].count_bytes);
+  const LevelView& L3 = lv_[3];
+  for (size_t i = 0; i < n; ++i) {
+    if (matched[i]) continue;
+    // Narrow counts below their escape value are the common case: read them inline.
+    if (found2[i] != kNone) {
+      uint64_t c = read_uint(L3.counts, L3.count_bytes, found2[i]);
+      if (L3.count_bytes < 8 && c == sentinel(L3.count_bytes)) c = count_checked(3, found2[i], ok);
+      probs[i] = static_cast<float>(c) * inv2;
+      matched[i] = 2;
+    } else if (found1[i] != kNone) {
+      uint64_t c = read_uint(L2.counts, L2.count_bytes, found1[i]);
+      if (L2.count_bytes < 8 && c == sentinel(L2.count_bytes)) c = count_checked(2, found1[i], ok);
+      probs[i] = static_cast<float>(c) * ua.inv;
+      matched[i] = 1;
+    }
+  }
+}
+
+bool TrieView::probability_checked(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
+                                   float* probs, int32_t* matched) const {
+  if (uni_.empty()) return probability_generic(context, context_len, tokens, n, probs, matched);
+  for (size_t i = 0; i < n; ++i) {
+    probs[i] = 0.0f;
+    matched[i] = 0;
+  }
+  const size_t max_len = std::min(static_cast<size_t>(hdr_.order) - 1, context_len);
+  if (max_len == 0 || n == 0) return true;
+  bool ok = true;
+  const auto block = hdr_.token_bytes == 2 ? &TrieView::query_block<uint16_t> : &TrieView::query_block<uint32_t>;
+  for (size_t b0 = 0; b0 < n; b0 += kBlock)
+    (this->*block)(context + context_len - max_len, max_len, tokens + b0, std::min(kBlock, n - b0), probs + b0,
+                   matched + b0, ok);
   return ok;
 }
 

@@ -80,6 +80,14 @@ class TrieView : public dart::NgramQuery {
 
  private:
   void full_verify(const std::string& what) const;
+  // probability_checked for any shape (binary searches and find_path per context length).
+  bool probability_generic(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
+                           float* probs, int32_t* matched) const;
+  // The hot path (dense level-1 index and level-2 hash present): at most kQueryBlock candidates,
+  // `ctx` = the last `len` (>= 1) context tokens, outputs already zeroed.
+  template <class TT>
+  void query_block(const int32_t* ctx, size_t len, const int32_t* tokens, size_t n, float* probs,
+                   int32_t* matched, bool& ok) const;
   // Level-2 child with token `tok` of the level-1 node whose token is `parent` and whose child
   // range is [s, e), via the table.
   uint64_t hash_find(uint32_t parent, uint32_t tok, uint64_t s, uint64_t e) const {
@@ -112,6 +120,15 @@ class TrieView : public dart::NgramQuery {
   Header hdr_{};
   std::vector<LevelView> lv_;    // index 1..order
   std::vector<uint32_t> dense1_;  // token -> level-1 index + 1 (0: absent)
+  // What a query needs of a 1-token context, by token, in one cache line instead of three
+  // dependent reads (built at load, O(vocabulary); only with a level-2 hash). Child range [s, e)
+  // on level 2; s > e marks a corrupt node; inv = 1 / count as the query computes it.
+  struct Unigram {
+    uint32_t idx1 = 0;  // level-1 index + 1 (0: absent)
+    uint32_t s = 0, e = 0;
+    float inv = 0.0f;
+  };
+  std::vector<Unigram> uni_;
   const uint8_t* hash_ = nullptr;
   uint64_t hash_slots_ = 0;
   uint64_t hash_max_probe_ = 0;
