@@ -1,1 +1,42 @@
-"""DART inference: draft model, target adapter, C++ tree search, lossless generation."""
+"""DART inference: draft model, target adapter, C++ tree search, lossless generation.
+
+`from dart_infer import DartModel, DartDraftConfig, DartDraftModel` — resolved lazily, so importing
+the package (e.g. for `dart_infer.assets`) does not pull in torch/transformers.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "DartModel": "dart_infer.generate",
+    "TreeSearchSettings": "dart_infer.generate",
+    "GenerationStats": "dart_infer.generate",
+    "DartDraftConfig": "dart_infer.model",
+    "DartDraftModel": "dart_infer.model",
+    "TargetModel": "dart_infer.target",
+}
+
+__all__ = [
+    "DartDraftConfig",
+    "DartDraftModel",
+    "DartModel",
+    "GenerationStats",
+    "TargetModel",
+    "TreeSearchSettings",
+]
+
+if TYPE_CHECKING:
+    from dart_infer.generate import DartModel, GenerationStats, TreeSearchSettings
+    from dart_infer.model import DartDraftConfig, DartDraftModel
+    from dart_infer.target import TargetModel
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dart_infer' has no attribute '{name}'")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

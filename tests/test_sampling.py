@@ -1,0 +1,168 @@
+"""Sampling is lossless: the multi-candidate tree rule emits tokens with the target's distribution.
+
+Chi-square tests over many seeded draws, each with a negative control showing the test has the
+power to reject a distribution that is only slightly different.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from dart_infer import DartDraftConfig, DartDraftModel, DartModel
+from dart_infer.generate import Sampler, sampling_accept
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness of fit; cells with small expectation are pooled into one."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    total = counts.sum()
+    expected = probs * total
+    if (counts[probs == 0] > 0).any():
+        return 0.0  # a token the target never emits was emitted
+    big = expected >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 0, 0.0), (1.0, 5, 0.0), (1.3, 0, 0.8), (1.0, 7, 0.9)]
+)
+def test_sampler_matches_transformers_warpers(temperature: float, top_k: int, top_p: float) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    warped = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        warped = TopKLogitsWarper(top_k)(None, warped)
+    if top_p:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    expected = torch.softmax(warped, dim=-1)
+    actual = Sampler(temperature, top_p, top_k).probs(logits)
+    assert torch.allclose(actual, expected, atol=1e-6)
+    if top_k:
+        assert ((actual > 0).sum(-1) <= top_k).all()
+
+
+def hand_tree_and_logits(vocab: int = 8):
+    """root(0) with children tokens 1, 2, 3 (nodes 1-3); node 1 has children 4, 5 (nodes 4, 5)."""
+    tokens = torch.tensor([0, 1, 2, 3, 4, 5])
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1])
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, vocab, generator=g)
+    return tokens, parents, logits
+
+
+def test_tree_acceptance_rule_reproduces_the_target_distribution() -> None:
+    tokens, parents, logits = hand_tree_and_logits()
+    sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    draws = 10000
+    first = torch.zeros(8)
+    second_after_1 = torch.zeros(8)
+    accepted_depths = torch.zeros(3)
+    for _ in range(draws):
+        nodes, bonus = sampling_accept(tokens, parents, logits, sampler)
+        emitted = tokens[nodes[1:]].tolist() + [bonus]
+        first[emitted[0]] += 1
+        if emitted[0] == 1:
+            second_after_1[emitted[1]] += 1
+        accepted_depths[len(nodes) - 1] += 1
+    p_root = torch.softmax(logits[0], -1)
+    p_after_1 = torch.softmax(logits[1], -1)
+    assert chi_square_p_value(first, p_root) > 1e-3
+    assert chi_square_p_value(second_after_1, p_after_1) > 1e-3
+    # Both levels of the tree were used, and bonus-only steps happened too.
+    assert (accepted_depths > 100).all()
+    # Negative control: a slightly different distribution is rejected with these counts.
+    assert chi_square_p_value(first, torch.softmax(logits[0] * 1.1, -1)) < 1e-3
+
+
+def test_rejected_candidates_are_renormalised_away() -> None:
+    """A candidate the target cannot emit (top-k removes it) is never accepted."""
+    tokens, parents, logits = hand_tree_and_logits()
+    logits[0, 1] = -30.0  # token 1 (node 1) outside the top-3 at the root
+    sampler = Sampler(temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(1))
+    allowed = Sampler(temperature=1.0, top_k=3).probs(logits[0])
+    counts = torch.zeros(8)
+    for _ in range(5000):
+        nodes, bonus = sampling_accept(tokens, parents, logits, sampler)
+        assert 1 not in nodes.tolist()
+        counts[(tokens[nodes[1:]].tolist() + [bonus])[0]] += 1
+    assert counts[allowed == 0].sum() == 0
+    assert chi_square_p_value(counts, allowed) > 1e-3
+
+
+def tiny_dart(vocab: int = 10) -> DartModel:
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            initializer_range=0.3,
+            attn_implementation="sdpa",
+        )
+    ).eval()
+    base.generation_config.eos_token_id = None
+    head = DartDraftModel(DartDraftConfig.from_target_config(base.config, draft_length=3)).eval()
+    # Every root child is a vocabulary token: acceptance happens at most steps and at depth > 1.
+    return DartModel(base, head, tree={"draft_top_k": vocab, "beam_width": vocab, "remain_total": 24})
+
+
+def exact_joint(
+    model: DartModel, prompt: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """p(x1, x2, x3 | prompt) of the target after temperature/top-k/top-p, by enumeration."""
+    base, sampler = model.base_model, Sampler(temperature, top_p, top_k)
+    vocab = base.config.vocab_size
+    pairs = torch.tensor(list(itertools.product(range(vocab), repeat=2)))
+    with torch.no_grad():
+        p1 = sampler.probs(base(prompt).logits[0, -1])
+        seqs = torch.cat([prompt.expand(pairs.shape[0], -1), pairs], dim=1)
+        logits = base(seqs).logits
+    p2 = sampler.probs(logits[::vocab, -2])  # [x1, x2]: rows with x2 = 0 share the x1 context
+    p3 = sampler.probs(logits[:, -1]).view(vocab, vocab, vocab)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 0.0), (0.8, 6, 0.9)])
+def test_dart_sampling_emits_the_targets_distribution(temperature: float, top_k: int, top_p: float) -> None:
+    """Tokens 2 and 3 come from the first verification step (accepted draft tokens or bonus): their
+    joint distribution, over all first tokens, must be the target's."""
+    vocab = 10
+    model = tiny_dart(vocab)
+    prompt = torch.tensor([[1, 4, 7, 2]])
+    expected = exact_joint(model, prompt, temperature, top_k, top_p).sum(0)
+    generator = torch.Generator().manual_seed(11)
+    counts = torch.zeros(vocab, vocab)
+    accepted = 0
+    draws = 2000
+    for _ in range(draws):
+        out, stats = model.dart_generate(
+            prompt, temperature, top_p, top_k, max_new_token_num=3, generator=generator, return_stats=True
+        )
+        x2, x3 = out[0, 5:].tolist()
+        counts[x2, x3] += 1
+        accepted += sum(stats.accept_lengths)
+    assert accepted > draws // 2  # draft tokens were accepted, not only bonus tokens sampled
+    p_value = chi_square_p_value(counts, expected)
+    assert p_value > 1e-3
+    # Negative control: the same counts reject the distribution at a slightly different temperature.
+    shifted = exact_joint(model, prompt, temperature * 1.25, top_k, top_p).sum(0)
+    assert chi_square_p_value(counts, shifted) < 1e-3
