@@ -134,7 +134,11 @@ def test_training_reduces_loss_and_export_has_author_keys(target, dataset, tmp_p
     assert "fc.weight" in keys and "midlayer.mask_rep" in keys and "d2t" in keys and "t2d" in keys
     assert not any("embed_tokens" in k for k in keys)
     config = json.loads((tmp_path / "head" / "config.json").read_text())
-    assert config["draft_length"] == 4 and config["draft_vocab_size"] == 48
+    # On disk draft_length counts mask positions, as in the authors' config.json (d - 1).
+    assert config["draft_length"] == 3 and config["draft_vocab_size"] == 48
+    from dart_infer.generate import load_draft_model
+
+    assert load_draft_model(tmp_path / "head").config.draft_length == 4
 
 
 def test_best_checkpoint_follows_tau(target, dataset, tmp_path: Path) -> None:
