@@ -94,31 +94,30 @@ class Evaluator:
             torch.set_num_threads(settings.threads)
         if "dart" in settings.methods and model.trie is None:
             raise ValueError("method 'dart' needs an n-gram trie (ngram_model); use 'dart_no_trie' without one")
-        self._runners: dict[str, Callable[[torch.Tensor], Record]] = {
+        # Each runner: (prompt ids, max new tokens) -> Record.
+        self._runners: dict[str, Callable[[torch.Tensor, int], Record]] = {
             "ar": self._run_ar,
             "hf_generate": self._run_hf,
             "prompt_lookup": self._run_prompt_lookup,
-            "dart": lambda ids: self._run_dart(ids, "dart", None),
-            "dart_no_trie": lambda ids: self._run_dart(ids, "dart_no_trie", {"ngram_weight": 0.0}),
+            "dart": lambda ids, n: self._run_dart(ids, n, "dart", None),
+            "dart_no_trie": lambda ids, n: self._run_dart(ids, n, "dart_no_trie", {"ngram_weight": 0.0}),
         }
 
     # ---------------------------------------------------------------------------------- methods
-    def _run_ar(self, ids: torch.Tensor) -> Record:
-        out, stats = self.model.ar_generate(
-            ids, max_new_token_num=self.settings.max_new_tokens, profile=True, return_stats=True
-        )
+    def _run_ar(self, ids: torch.Tensor, max_new: int) -> Record:
+        out, stats = self.model.ar_generate(ids, max_new_token_num=max_new, profile=True, return_stats=True)
         return self._record("ar", ids, out, stats.wall_time, timings=stats.timings)
 
-    def _run_dart(self, ids: torch.Tensor, name: str, tree: dict[str, Any] | None) -> Record:
+    def _run_dart(self, ids: torch.Tensor, max_new: int, name: str, tree: dict[str, Any] | None) -> Record:
         out, stats = self.model.dart_generate(
-            ids, max_new_token_num=self.settings.max_new_tokens, tree=tree, profile=True, return_stats=True
+            ids, max_new_token_num=max_new, tree=tree, profile=True, return_stats=True
         )
         return self._record(
             name, ids, out, stats.wall_time, steps=stats.steps, step_tokens=sum(stats.emitted), timings=stats.timings,
             accept_lengths=list(stats.accept_lengths),
         )
 
-    def _hf(self, ids: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, float]:
+    def _hf(self, ids: torch.Tensor, max_new: int, **kwargs: Any) -> tuple[torch.Tensor, float]:
         base = self.model.base_model
         device = base.get_input_embeddings().weight.device
         inputs = ids[None].to(device)
@@ -128,19 +127,19 @@ class Evaluator:
                 inputs,
                 attention_mask=torch.ones_like(inputs),
                 do_sample=False,
-                max_new_tokens=self.settings.max_new_tokens,
+                max_new_tokens=max_new,
                 eos_token_id=list(self.model.eos_token_ids),
                 pad_token_id=self.model.eos_token_ids[0],
                 **kwargs,
             )
         return out.cpu(), time.perf_counter() - start
 
-    def _run_hf(self, ids: torch.Tensor) -> Record:
-        out, seconds = self._hf(ids)
+    def _run_hf(self, ids: torch.Tensor, max_new: int) -> Record:
+        out, seconds = self._hf(ids, max_new)
         return self._record("hf_generate", ids, out, seconds)
 
-    def _run_prompt_lookup(self, ids: torch.Tensor) -> Record:
-        out, seconds = self._hf(ids, prompt_lookup_num_tokens=self.settings.prompt_lookup_num_tokens)
+    def _run_prompt_lookup(self, ids: torch.Tensor, max_new: int) -> Record:
+        out, seconds = self._hf(ids, max_new, prompt_lookup_num_tokens=self.settings.prompt_lookup_num_tokens)
         return self._record("prompt_lookup", ids, out, seconds)
 
     @staticmethod
@@ -155,13 +154,8 @@ class Evaluator:
     def warm_up(self) -> None:
         """One short generation per method: first-call costs (allocations, kernels) stay out of the numbers."""
         ids = chat_prompt(self.model.tokenizer, [{"role": "user", "content": "Say hello."}])
-        saved = self.settings.max_new_tokens
-        self.settings.max_new_tokens = self.settings.warmup_tokens
-        try:
-            for method in self.settings.methods:
-                self._runners[method](ids)
-        finally:
-            self.settings.max_new_tokens = saved
+        for method in self.settings.methods:
+            self._runners[method](ids, self.settings.warmup_tokens)
 
     def run(self, benchmark: str, conversations: Sequence[Conversation], progress: bool = True) -> list[Record]:
         from tqdm.auto import tqdm
@@ -177,7 +171,7 @@ class Evaluator:
                 history.append(user)
                 ids = chat_prompt(self.model.tokenizer, history)
                 order = methods[index % len(methods):] + methods[: index % len(methods)]
-                results = {method: self._runners[method](ids) for method in order}
+                results = {method: self._runners[method](ids, self.settings.max_new_tokens) for method in order}
                 reference = results["ar"].output_ids
                 for method in methods:
                     record = results[method]

@@ -157,11 +157,10 @@ class TargetModel:
     def tree_attention_mask(self, tree_mask: torch.Tensor, past: int) -> torch.Tensor:
         """[1,1,n,past+n] additive mask: every node sees the cached prefix and its own ancestors."""
         n = tree_mask.shape[0]
-        allowed = torch.ones(n, past + n, dtype=torch.bool, device=self.device)
-        allowed[:, past:] = tree_mask.to(device=self.device, dtype=torch.bool)
-        # Additive float masks mean the same to the eager and SDPA back-ends.
+        # Additive float masks mean the same to the eager and SDPA back-ends; the prefix is all visible.
         mask = torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        blocked = ~tree_mask.to(device=self.device, dtype=torch.bool)
+        mask[:, past:].masked_fill_(blocked, torch.finfo(self.dtype).min)
         return mask[None, None]
 
     @torch.no_grad()

@@ -76,7 +76,6 @@ def run_fit_tree(cfg: DictConfig) -> Path:
     prompts = [chat_prompt(model.tokenizer, c.messages[:1]) for c in conversations]
     keys = list(cfg.fit.grid)
     grid = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(cfg.fit.grid[k] for k in keys))]
-    grid = [g for g in grid if g.get("beam_width", 1) <= g.get("remain_total", 1) * 4]
     results = fit_tree(model, prompts, grid, cfg.fit.max_new_tokens)
     best = {k: results[0][k] for k in keys}
     best["ngram_weight"] = float(cfg.tree.ngram_weight)
