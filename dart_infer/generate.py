@@ -518,10 +518,8 @@ class DartModel(nn.Module):
         history[:n] = prompt
         length = n
         top_k = min(settings.draft_top_k, draft.config.draft_vocab_size)
-        # Without an EOS id, an id past the vocabulary: it never appears among the candidates.
-        eos_for_search = self.eos_token_ids[0] if self.eos_token_ids else target.vocab_size
         search_kwargs: dict[str, Any] = dict(
-            eos_token_id=eos_for_search,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             beam_width=settings.beam_width,
             remain_total=settings.remain_total,
             ngram_weight=settings.ngram_weight if self.trie is not None else 0.0,

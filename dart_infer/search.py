@@ -59,13 +59,16 @@ def _weights(weights: Sequence[float] | torch.Tensor | np.ndarray | None) -> Any
     return weights
 
 
+# Stands in for a missing EOS id: candidate ids are vocabulary ids, so this one never matches.
+_NO_EOS = 2**31 - 1
+
 def tree_search(
     topk_tokens: torch.Tensor | np.ndarray,
     topk_probs: torch.Tensor | np.ndarray,
     trie: Any,
     prompt_tokens: torch.Tensor | np.ndarray | Sequence[int],
     *,
-    eos_token_id: int,
+    eos_token_id: int | None,
     beam_width: int = 20,
     remain_total: int = 60,
     ngram_weight: float = 0.5,
@@ -97,7 +100,8 @@ def tree_search(
             (``ngram_weight`` is then ignored).
         prompt_tokens: 1-D int tensor/array or list of ints; its last element is the tree's root
             (the target's own next token). Only its last ``order - 1`` tokens are read.
-        eos_token_id: paths ending in this token go last when choosing the beam.
+        eos_token_id: paths ending in this token go last when choosing the beam (``None``: a
+            model without an end-of-sequence token; no path is put last).
         beam_width: beam paths kept per level (>= 1). ``k < beam_width`` is allowed: the first
             level's beam then simply holds the ``k`` children.
         remain_total: number of tree nodes kept, root excluded (>= 1); fewer when the search
@@ -141,7 +145,7 @@ def tree_search(
         _probs_array(topk_probs),
         trie,
         _tokens_array(prompt_tokens, "prompt_tokens"),
-        eos_token_id,
+        _NO_EOS if eos_token_id is None else eos_token_id,
         beam_width,
         remain_total,
         ngram_weight,

@@ -84,7 +84,7 @@ class SimulatedTau:
         dataset: Any,
         state_source: Any,
         *,
-        eos_token_id: int,
+        eos_token_id: int | None,
         trie: Any = None,
         tree: Any = None,
         anchors_per_sequence: int = 16,
@@ -104,7 +104,7 @@ class SimulatedTau:
             raise ValueError("the evaluation dataset is empty")
         self.dataset = dataset
         self.state_source = state_source
-        self.eos_token_id = int(eos_token_id)
+        self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
         self.trie = trie
         self.tree = tree if isinstance(tree, TreeSearchSettings) else TreeSearchSettings().with_overrides(
             dict(tree) if tree else None

@@ -303,6 +303,11 @@ def test_eos_paths_go_last_in_the_beam():
     tokens = torch.tensor([[EOS], [20]])
     out = tree_search(tokens, torch.ones(2, 1), None, [5], eos_token_id=EOS, beam_width=2)
     assert set(node_paths(out[0], out[2])) == {(EOS,), (EOS, 20)}
+    # A model without an EOS token: nothing is put last, the best path takes the beam.
+    tokens = torch.tensor([[EOS, 10, 11], [20, 21, 22]])
+    out = tree_search(tokens, probs, None, [5], eos_token_id=None, beam_width=1, remain_total=100)
+    paths = set(node_paths(out[0], out[2]))
+    assert (EOS, 20) in paths and (10, 20) not in paths
 
 
 @pytest.mark.parametrize("order_case", ["default", "first_level", "short_prompt", "weights"])
