@@ -67,6 +67,19 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return value
 
 
+def _autocast_dtype(name: str | None) -> torch.dtype | None:
+    """`auto`: bfloat16 where the hardware computes it natively (CUDA with bf16; CPUs with AVX512-BF16
+    or AMX, where the target forward runs ~1.7x faster than float32), else the target's own dtype."""
+    if str(name) != "auto":
+        return _dtype(name)
+    if torch.cuda.is_available():
+        native = torch.cuda.is_bf16_supported()
+    else:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    log.info("states.autocast_dtype=auto: %s", "bfloat16" if native else "as loaded (no native bf16)")
+    return torch.bfloat16 if native else None
+
+
 def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any) -> Any:
     """A random head shaped from the target's config (or `draft.init_from`), checked against it."""
     from dart_infer.generate import check_head_matches_target, load_draft_model
@@ -123,13 +136,13 @@ def _state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> 
             target,
             topk=int(topk) if topk is not None else None,
             hidden_dtype=_dtype(states.hidden_dtype) or torch.bfloat16,
-            autocast_dtype=_dtype(states.autocast_dtype),
+            autocast_dtype=_autocast_dtype(states.autocast_dtype),
         )
     if states.mode == "offline":
         cache = Path(states.cache_dir) if states.cache_dir else run_dir / "states"
         precompute_states(  # resumable: only missing shards are computed
             target, dataset, cache, topk=int(topk), shard_size=int(states.shard_size),
-            max_tokens=int(states.max_tokens), autocast_dtype=_dtype(states.autocast_dtype),
+            max_tokens=int(states.max_tokens), autocast_dtype=_autocast_dtype(states.autocast_dtype),
             progress=bool(cfg.logging.progress),
         )
         return OfflineStateSource(cache, dataset, verify=bool(states.get("verify", True)))
@@ -151,12 +164,11 @@ def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConf
         conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=_template_kwargs(cfg)
     )
     trie = load_trie(str(ev.ngram_model)) if ev.ngram_model else None
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
     return SimulatedTau(
         dataset,
         OnlineStateSource(target, topk=int(cfg.states.topk) if cfg.states.topk else None,
                           hidden_dtype=torch.float32),
-        eos_token_id=int(eos),
+        eos_token_id=tokenizer.eos_token_id,
         trie=trie,
         tree=OmegaConf.to_container(ev.tree, resolve=True),
         anchors_per_sequence=int(ev.anchors_per_sequence),
