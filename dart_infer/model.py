@@ -4,7 +4,7 @@ Shape of the computation (dart-method.md §1). For every prefix position t the i
 hidden states at three depths (concatenated, 3·Ht wide) and the embedding of the *next* token:
 
     residual_t = fc(aux_hidden_t)                                   [H]
-    attn_in_t  = cat(hidden_norm(residual_t), input_layernorm(embed(x_{t+1})))   [2H]
+    attn_in_t  = cat(input_layernorm(embed(x_{t+1})), hidden_norm(residual_t))   [2H]
 
 After the prefix come `draft_length - 1` mask positions whose attention input is the trainable
 `mask_rep` (2H; its first H entries are their residual). One causal attention over prefix + masks,
