@@ -6,11 +6,17 @@ throughput and peak RSS (counting from token ids, in a child process), tokenizat
 
     python scripts/bench_ngram.py [--out runs/bench_ngram] [--limit N] [--reuse-ids]
     python scripts/bench_ngram.py --query-only [--trie runs/ngram/sharegpt/full.ngt]  # queries only
+    python scripts/bench_ngram.py --query-only --baseline-so OLD/_core.cpython-*.so  # + an older build
+
+With --baseline-so, an older build of ngram_builder._core (a copy of its .so) answers the same
+queries in the same process, interleaved with this build, so that a shared machine's load affects
+both alike; its answers must be identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -103,10 +109,7 @@ def run_child(out: Path, cap: float, threads: int, target: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_000) -> dict:
-    from ngram_builder import NgramTrie
-
-    trie = NgramTrie.load(path)
+def query_set(flat: np.ndarray, offsets: np.ndarray, n: int = 20_000) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     # Contexts: 2 consecutive corpus tokens inside one document; candidates: the true next token +
     # 24 tokens drawn from the corpus (unigram-distributed), as a drafter's top-k would look.
@@ -117,9 +120,46 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
     ctx = np.stack([flat[pos], flat[pos + 1]], axis=1).astype(np.int32)
     cand = flat[rng.integers(0, len(flat), size=(len(doc), 25))].astype(np.int32)
     cand[:, 0] = flat[pos + 2]
+    return ctx, cand
+
+
+def load_core(so_path: str):
+    """An older build of ngram_builder._core from a copy of its shared object."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_ngram_builder._core", so_path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {so_path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_000,
+                baseline_so: str | None = None, passes: int = 5) -> dict:
+    from ngram_builder import NgramTrie
+
+    trie = NgramTrie.load(path)
+    ctx, cand = query_set(flat, offsets, n)
     # Each pass walks 20k random contexts over a trie larger than the caches, so misses dominate;
     # the minimum over passes drops passes disturbed by other jobs on the shared machine.
-    runs = [trie._t.bench_queries(ctx, cand, 3) for _ in range(5)]
+    # Single: one probability() call per query in a C++ loop; batched: one probability_batch()
+    # call for all of them (one thread), both measured in C++.
+    runs, batched = [], []
+    base_runs, base_batched = [], []
+    base = load_core(baseline_so).Trie.load(str(path)) if baseline_so else None
+    if base is not None:
+        pb, mb = base.probability_array(ctx, None, cand)
+        pn, mn = trie._t.probability_array(ctx, None, cand)
+        if not (np.array_equal(mb, mn) and np.array_equal(pb.view(np.int32), pn.view(np.int32))):
+            raise SystemExit("the baseline build answers differently")
+    for _ in range(passes):
+        runs.append(trie._t.bench_queries(ctx, cand, 3))
+        batched.append(trie._t.bench_queries(ctx, cand, 3, True))
+        if base is not None:
+            base_runs.append(base.bench_queries(ctx, cand, 3))
+            with contextlib.suppress(TypeError):  # builds before the batched query path lack it
+                base_batched.append(base.bench_queries(ctx, cand, 3, True))
     single_ns = min(r[0] for r in runs)
     single_cpu_ns = min(r[1] for r in runs)
     batch_wall, batch_cpu = [], []
@@ -135,19 +175,33 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
     py_us = (time.perf_counter() - t0) / 5000 * 1e6
     py_cpu_us = (time.process_time() - c0) / 5000 * 1e6
     p, m = trie.probability_batch(ctx, cand)
-    return {"single_us": single_ns / 1000, "single_cpu_us": single_cpu_ns / 1000, "batch_us": min(batch_wall),
-            "batch_cpu_us": min(batch_cpu), "python_call_us": py_us, "python_call_cpu_us": py_cpu_us,
-            "hit_rate_true_next": float((m[:, 0] > 0).mean()), "matched_sum": int(m.sum()),
-            "prob_sum": float(p.astype(np.float64).sum()), "queries": len(ctx)}
+    out = {"single_us": single_ns / 1000, "single_cpu_us": single_cpu_ns / 1000,
+           "batched_cpp_us": min(r[0] for r in batched) / 1000, "batched_cpp_cpu_us": min(r[1] for r in batched) / 1000,
+           "batch_us": min(batch_wall), "batch_cpu_us": min(batch_cpu), "python_call_us": py_us,
+           "python_call_cpu_us": py_cpu_us, "hit_rate_true_next": float((m[:, 0] > 0).mean()),
+           "matched_sum": int(m.sum()), "prob_sum": float(p.astype(np.float64).sum()), "queries": len(ctx)}
+    if base_runs:
+        out["baseline_single_us"] = min(r[0] for r in base_runs) / 1000
+        out["baseline_single_cpu_us"] = min(r[1] for r in base_runs) / 1000
+    if base_batched:
+        out["baseline_batched_cpp_cpu_us"] = min(r[1] for r in base_batched) / 1000
+    return out
 
 
-def query_only(out: Path, trie_path: Path) -> None:
+def query_only(out: Path, trie_path: Path, baseline_so: str | None, passes: int) -> None:
     """Only the query numbers, on an existing trie and the cached ids (tokenized by a full run)."""
     data = np.load(out / "ids.npz")
-    q = query_bench(trie_path, data["flat"], data["offsets"])
+    q = query_bench(trie_path, data["flat"], data["offsets"], baseline_so=baseline_so, passes=passes)
     print(f"trie {trie_path}; machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"single (C++ loop): {q['single_us']:.3f} µs wall, {q['single_cpu_us']:.3f} µs CPU per 25-candidate query")
-    print(f"batched from Python (numpy): {q['batch_us']:.3f} µs wall, {q['batch_cpu_us']:.3f} µs CPU per query")
+    print(f"batched (one C++ call, one thread): {q['batched_cpp_us']:.3f} µs wall, "
+          f"{q['batched_cpp_cpu_us']:.3f} µs CPU per query")
+    if "baseline_single_cpu_us" in q:
+        extra = (f", batched {q['baseline_batched_cpp_cpu_us']:.3f} µs CPU"
+                 if "baseline_batched_cpp_cpu_us" in q else "")
+        print(f"baseline build, same queries, interleaved: single {q['baseline_single_cpu_us']:.3f} µs CPU{extra}")
+    print(f"batched from Python (numpy; threads for >= 2048 rows): {q['batch_us']:.3f} µs wall, "
+          f"{q['batch_cpu_us']:.3f} µs CPU per query")
     print(f"single Python call: {q['python_call_us']:.3f} µs wall, {q['python_call_cpu_us']:.3f} µs CPU")
     print(f"true next token found: {q['hit_rate_true_next']:.3f}; checksums matched={q['matched_sum']} "
           f"probs={q['prob_sum']:.6f}")
@@ -178,10 +232,13 @@ def main() -> None:
     ap.add_argument("--query-only", action="store_true",
                     help="only time queries on --trie (needs ids.npz from an earlier run in --out)")
     ap.add_argument("--trie", default="runs/ngram/sharegpt/full.ngt", help="trie for --query-only")
+    ap.add_argument("--baseline-so", default=None,
+                    help="with --query-only: also time this copy of an older _core build (same process)")
+    ap.add_argument("--passes", type=int, default=5, help="with --query-only: timed passes (minimum reported)")
     args = ap.parse_args()
     out = Path(args.out)
     if args.query_only:
-        query_only(out, Path(args.trie))
+        query_only(out, Path(args.trie), args.baseline_so, args.passes)
         return
     out.mkdir(parents=True, exist_ok=True)
     if args.reuse_ids and (out / "ids.json").exists():
@@ -223,6 +280,7 @@ def main() -> None:
         ("load", f"{ANCHOR['load_s']:.2f} s", f"{load_s * 1e3:.2f} ms (mmap; header + table checks)"),
         ("query, 2-token ctx, 25 cand.", f"{ANCHOR['query_us']:.1f} µs",
          f"{q['single_us']:.2f} µs wall / {q['single_cpu_us']:.2f} µs CPU (C++ call); "
+         f"{q['batched_cpp_cpu_us']:.2f} µs CPU per query in one C++ batch call; "
          f"{q['batch_us']:.2f} µs wall / {q['batch_cpu_us']:.2f} µs CPU per query batched from Python; "
          f"{q['python_call_us']:.1f} µs single Python call"),
         ("build (ids -> trie file)", f"{ANCHOR['build_tok_s'] / 1e6:.1f} M tok/s, peak {ANCHOR['build_peak_mb']:.0f} MB",

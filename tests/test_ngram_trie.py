@@ -78,6 +78,48 @@ def test_batched_forms_agree_with_single(golden_built: NgramTrie) -> None:
         np.testing.assert_allclose(p_arr[i], q["probs"][:k], atol=1e-6)
 
 
+def _edge_rows(docs: list[list[int]], vocab: int, rows: int, seed: int) -> list[list[int]]:
+    """Contexts of 0..4 tokens from the documents, some with ids outside the vocabulary, many
+    ending in the same token (the tree search's beams do)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(rows):
+        doc = rng.choice(docs)
+        i = rng.randrange(len(doc))
+        ctx = doc[max(0, i - rng.randrange(5)) : i]
+        if ctx and rng.random() < 0.1:
+            ctx[rng.randrange(len(ctx))] = rng.choice([vocab, vocab + 7, 2**31 - 1])
+        if out and rng.random() < 0.4:
+            ctx = [rng.choice(docs[0])] + out[-1][-1:]  # same last token as the previous row
+        out.append(ctx)
+    return out
+
+
+@pytest.mark.parametrize("order", [3, 4])
+@pytest.mark.parametrize("k", [25, 100])
+def test_batched_edge_rows_agree_with_single(order: int, k: int) -> None:
+    # Batches overlap their rows' queries (a pipeline) and share what rows with the same last
+    # token and candidates have in common: every row must still answer like a single query.
+    _, docs = _golden_docs()
+    t = NgramTrie(order)
+    for doc in docs:
+        t.add_tokens(doc)
+    rng = random.Random(k + order)
+    ctxs = _edge_rows(docs, t.vocab_size, 300, seed=order)
+    pool = [tok for doc in docs[:5] for tok in doc] + [t.vocab_size, t.vocab_size + 3]
+    shared = [rng.choice(pool) for _ in range(k)]
+    toks = [[rng.choice(pool) for _ in range(k)] for _ in ctxs]
+    singles = [t.probability(c, tk) for c, tk in zip(ctxs, toks, strict=True)]
+    probs, matched = t.probability_batch(ctxs, toks)
+    assert [(p, m) for p, m in zip(probs, matched, strict=True)] == singles
+    # Shared candidates, through the interface the tree search uses.
+    p_flat, m_flat = _core.query_capsule_batch(t._ngram_query_capsule(), ctxs, shared)
+    for r, c in enumerate(ctxs):
+        p, m = t.probability(c, shared)
+        assert m_flat[r * k : (r + 1) * k] == m
+        assert p_flat[r * k : (r + 1) * k] == p
+
+
 def test_capsule_answers_like_the_trie(golden_built: NgramTrie) -> None:
     cap = golden_built._ngram_query_capsule()
     assert type(cap).__name__ == "PyCapsule"

@@ -260,11 +260,13 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
   ws.keys.resize(static_cast<size_t>(total_nodes));
   ws.beam.resize(max_beam + 1);
   ws.logit_term.resize(static_cast<size_t>(k));
-  ws.ngram_probs.resize(static_cast<size_t>(k));
-  ws.ngram_matched.resize(static_cast<size_t>(k));
+  ws.ngram_probs.resize((max_beam + 1) * static_cast<size_t>(k));
+  ws.ngram_matched.resize((max_beam + 1) * static_cast<size_t>(k));
   ws.contexts.resize(max_beam * context_stride + context_stride);
   ws.context_len.resize(max_beam + 1);
   ws.context_row.resize(max_beam + 1);
+  ws.row_contexts.resize(max_beam * context_stride + context_stride);
+  ws.row_len.resize(max_beam + 1);
   ws.ngram_term.resize((max_beam + 1) * static_cast<size_t>(k));
 
   Node* const nodes = ws.nodes.data();
@@ -291,7 +293,9 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
     const bool use_ngram =
         ngram != nullptr && p.ngram_weight > 0.0f && (level > 0 || p.ngram_on_first_level);
     if (use_ngram) {
-      // One query per distinct context: beam paths often share their last order-1 tokens.
+      // One query per distinct context (beam paths often share their last order-1 tokens), all
+      // of the level's queries in one batch: they share the candidates, and the model overlaps
+      // their memory accesses.
       int32_t rows = 0;
       for (size_t b = 0; b < beam_size; ++b) {
         int32_t* ctx = contexts + b * context_stride;
@@ -307,21 +311,23 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
         }
         if (row < 0) {
           row = rows++;
-          float* ngram_probs = ws.ngram_probs.data();
-          ngram->probability(ctx, static_cast<size_t>(len), tokens, static_cast<size_t>(k), ngram_probs,
-                             ws.ngram_matched.data());
-          float* term = ngram_term_rows + static_cast<size_t>(row) * k;
-          for (int64_t j = 0; j < k; ++j) {
-            const float prob = ngram_probs[j];
-            if (!(prob >= 0.0f && prob <= 1.0f)) {
-              throw std::runtime_error("the n-gram model returned probability " + std::to_string(prob) +
-                                       ", outside [0, 1]");
-            }
-            // Most candidates are unseen: skip their logf (same value, computed once).
-            term[j] = prob == 0.0f ? unseen_term : logf(prob + kLogEpsilon) * p.ngram_weight;
-          }
+          std::memcpy(ws.row_contexts.data() + static_cast<size_t>(row) * context_stride, ctx,
+                      sizeof(int32_t) * static_cast<size_t>(len));
+          ws.row_len[row] = len;
         }
         context_row[b] = row;
+      }
+      const float* ngram_probs = ws.ngram_probs.data();
+      ngram->probability_batch(ws.row_contexts.data(), context_stride, ws.row_len.data(), static_cast<size_t>(rows),
+                               tokens, 0, static_cast<size_t>(k), ws.ngram_probs.data(), ws.ngram_matched.data());
+      for (int64_t i = 0; i < static_cast<int64_t>(rows) * k; ++i) {
+        const float prob = ngram_probs[i];
+        if (!(prob >= 0.0f && prob <= 1.0f)) {
+          throw std::runtime_error("the n-gram model returned probability " + std::to_string(prob) +
+                                   ", outside [0, 1]");
+        }
+        // Most candidates are unseen: skip their logf (same value, computed once).
+        ngram_term_rows[i] = prob == 0.0f ? unseen_term : logf(prob + kLogEpsilon) * p.ngram_weight;
       }
     }
 

@@ -77,11 +77,13 @@ struct Workspace {
   std::vector<int32_t> beam;
   std::vector<float> logit_term;       // [k]: logit_weight * log(p + 1e-10) of the current level
   std::vector<float> ngram_term;       // [beam * k]: ngram_weight * log(p_ngram + 1e-10)
-  std::vector<float> ngram_probs;      // [k]
-  std::vector<int32_t> ngram_matched;  // [k]
+  std::vector<float> ngram_probs;      // [beam * k]: one row per distinct context
+  std::vector<int32_t> ngram_matched;  // [beam * k]
   std::vector<int32_t> contexts;       // [beam * (order - 1)]
   std::vector<int32_t> context_len;    // [beam]
   std::vector<int32_t> context_row;    // [beam]: row of ngram_term used by each beam entry
+  std::vector<int32_t> row_contexts;   // [beam * (order - 1)]: the distinct contexts, queried at once
+  std::vector<int32_t> row_len;        // [beam]
   std::vector<int32_t> kept;           // node indices of the kept tree, in output order
   std::vector<int32_t> new_index;      // node index -> output index (only kept entries valid)
   std::vector<uint8_t> has_child;

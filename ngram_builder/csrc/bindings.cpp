@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <mutex>
@@ -163,24 +164,41 @@ class PyTrie {
       T[b] = to_ids(ts[b], "tokens[i]");
     }
     auto v = frozen();
-    std::vector<std::vector<float>> P(B);
-    std::vector<std::vector<int32_t>> M(B);
+    // Flat buffers for the batched query: only the last order - 1 context tokens are read, and
+    // rows are batched in runs with the same number of candidates.
+    const size_t W = static_cast<size_t>(v->order()) - 1 > 0 ? static_cast<size_t>(v->order()) - 1 : 1;
+    std::vector<int32_t> ctx(B * W), lens(B);
+    std::vector<size_t> start(B + 1, 0);
+    for (size_t b = 0; b < B; ++b) {
+      const size_t len = std::min(W, C[b].size());
+      std::copy(C[b].end() - static_cast<std::ptrdiff_t>(len), C[b].end(), ctx.begin() + static_cast<std::ptrdiff_t>(b * W));
+      lens[b] = static_cast<int32_t>(len);
+      start[b + 1] = start[b] + T[b].size();
+    }
+    std::vector<int32_t> tok(start[B]);
+    for (size_t b = 0; b < B; ++b) std::copy(T[b].begin(), T[b].end(), tok.begin() + static_cast<std::ptrdiff_t>(start[b]));
+    std::vector<float> P(start[B]);
+    std::vector<int32_t> M(start[B]);
     bool ok = true;
     {
       py::gil_scoped_release nogil;
-      for (size_t b = 0; b < B; ++b) {
-        P[b].resize(T[b].size());
-        M[b].resize(T[b].size());
-        ok &= v->probability_checked(C[b].data(), C[b].size(), T[b].data(), T[b].size(), P[b].data(), M[b].data());
+      for (size_t b = 0; b < B;) {
+        size_t e = b + 1;
+        while (e < B && T[e].size() == T[b].size()) ++e;
+        const size_t K = T[b].size();
+        ok &= v->probability_batch_checked(ctx.data() + b * W, W, lens.data() + b, e - b, tok.data() + start[b], K, K,
+                                           P.data() + start[b], M.data() + start[b]);
+        b = e;
       }
     }
     if (!ok) throw FormatError("corrupt trie data met while answering a query (load with verify=True to check)");
     py::list outp(B), outm(B);
     for (size_t b = 0; b < B; ++b) {
-      py::list p(P[b].size()), m(P[b].size());
-      for (size_t i = 0; i < P[b].size(); ++i) {
-        p[i] = py::float_(static_cast<double>(P[b][i]));
-        m[i] = py::int_(M[b][i]);
+      const size_t K = T[b].size();
+      py::list p(K), m(K);
+      for (size_t i = 0; i < K; ++i) {
+        p[i] = py::float_(static_cast<double>(P[start[b] + i]));
+        m[i] = py::int_(M[start[b] + i]);
       }
       outp[b] = p;
       outm[b] = m;
@@ -208,6 +226,8 @@ class PyTrie {
         lens[b] = l.data()[b];
       }
     }
+    if (Cw > static_cast<size_t>(INT32_MAX)) throw py::value_error("contexts are too wide (more than 2**31 - 1 columns)");
+    std::vector<int32_t> lens32(lens.begin(), lens.end());
     const int32_t* cp = contexts.data();
     const int32_t* tp = tokens.data();
     for (size_t b = 0; b < B; ++b)
@@ -229,9 +249,9 @@ class PyTrie {
       std::vector<char> part_ok(n_threads, 1);
       auto work = [&](size_t t) {
         const size_t lo = B * t / n_threads, hi = B * (t + 1) / n_threads;
-        for (size_t b = lo; b < hi; ++b)
-          if (!v->probability_checked(cp + b * Cw, static_cast<size_t>(lens[b]), tp + b * K, K, pp + b * K, mp + b * K))
-            part_ok[t] = 0;
+        if (!v->probability_batch_checked(cp + lo * Cw, Cw, lens32.data() + lo, hi - lo, tp + lo * K, K, K, pp + lo * K,
+                                          mp + lo * K))
+          part_ok[t] = 0;
       };
       std::vector<std::thread> pool;
       for (size_t t = 1; t < n_threads; ++t) pool.emplace_back(work, t);
@@ -246,15 +266,19 @@ class PyTrie {
   // Nanoseconds per probability() call over `repeats` passes of the given queries, measured in C++
   // with no Python in the loop (what the tree search pays per lookup): (wall, thread CPU time).
   // CPU time is what to compare on a shared, oversubscribed machine.
+  // batched=True: the same queries through one probability_batch call per pass (one thread).
   py::tuple bench_queries(py::array_t<int32_t, py::array::c_style | py::array::forcecast> contexts,
-                          py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int repeats) {
+                          py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens, int repeats,
+                          bool batched) {
     if (contexts.ndim() != 2 || tokens.ndim() != 2 || contexts.shape(0) != tokens.shape(0))
       throw py::value_error("contexts [B, C] and tokens [B, K] expected");
     auto v = frozen();
     const size_t B = static_cast<size_t>(contexts.shape(0)), Cw = static_cast<size_t>(contexts.shape(1));
     const size_t K = static_cast<size_t>(tokens.shape(1));
-    std::vector<float> p(K);
-    std::vector<int32_t> m(K);
+    if (Cw > static_cast<size_t>(INT32_MAX)) throw py::value_error("contexts are too wide");
+    std::vector<float> p(batched ? B * K : K);
+    std::vector<int32_t> m(p.size());
+    const std::vector<int32_t> lens(B, static_cast<int32_t>(Cw));
     const int32_t* cp = contexts.data();
     const int32_t* tp = tokens.data();
     auto cpu_now = [] {
@@ -268,11 +292,17 @@ class PyTrie {
       const double c0 = cpu_now();
       auto t0 = std::chrono::steady_clock::now();
       volatile float sink = 0;
-      for (int r = 0; r < repeats; ++r)
+      for (int r = 0; r < repeats; ++r) {
+        if (batched) {
+          v->probability_batch(cp, Cw, lens.data(), B, tp, K, K, p.data(), m.data());
+          sink = sink + p[0];
+          continue;
+        }
         for (size_t b = 0; b < B; ++b) {
           v->probability(cp + b * Cw, Cw, tp + b * K, K, p.data(), m.data());
           sink = sink + p[0];
         }
+      }
       auto t1 = std::chrono::steady_clock::now();
       wall_ns = std::chrono::duration<double, std::nano>(t1 - t0).count();
       cpu_ns = cpu_now() - c0;
@@ -510,7 +540,8 @@ PYBIND11_MODULE(_core, m) {
       .def("probability", &PyTrie::probability)
       .def("probability_batch", &PyTrie::probability_batch)
       .def("probability_array", &PyTrie::probability_array)
-      .def("bench_queries", &PyTrie::bench_queries)
+      .def("bench_queries", &PyTrie::bench_queries, py::arg("contexts"), py::arg("tokens"), py::arg("repeats"),
+           py::arg("batched") = false)
       .def("merge", &PyTrie::merge)
       .def("prune", &PyTrie::prune, py::arg("min_count"), py::arg("out_path") = "", py::arg("spill_dir") = "")
       .def("save", &PyTrie::save)
@@ -542,6 +573,32 @@ PYBIND11_MODULE(_core, m) {
       q->probability(ctx.data(), ctx.size(), tok.data(), tok.size(), p.data(), mt.data());
     }
     return py::make_tuple(std::vector<double>(p.begin(), p.end()), mt, q->order());
+  });
+
+  // The batched consumer call of the tree search: every context with the same candidates.
+  m.def("query_capsule_batch", [](py::capsule cap, py::handle contexts, py::handle tokens) {
+    if (std::string(cap.name() ? cap.name() : "") != DART_NGRAM_QUERY_CAPSULE)
+      throw py::value_error("not a " DART_NGRAM_QUERY_CAPSULE " capsule");
+    const auto* q = static_cast<const dart::NgramQuery*>(cap.get_pointer());
+    py::sequence cs = py::reinterpret_borrow<py::sequence>(contexts);
+    std::vector<std::vector<int32_t>> ctx;
+    size_t width = 1;
+    for (size_t r = 0; r < py::len(cs); ++r) {
+      ctx.push_back(to_ids(cs[r], "contexts[i]"));
+      width = std::max(width, ctx.back().size());
+    }
+    std::vector<int32_t> tok = to_ids(tokens, "tokens"), flat(ctx.size() * width), lens(ctx.size());
+    for (size_t r = 0; r < ctx.size(); ++r) {
+      std::copy(ctx[r].begin(), ctx[r].end(), flat.begin() + static_cast<std::ptrdiff_t>(r * width));
+      lens[r] = static_cast<int32_t>(ctx[r].size());
+    }
+    std::vector<float> p(ctx.size() * tok.size());
+    std::vector<int32_t> mt(p.size());
+    {
+      py::gil_scoped_release nogil;
+      q->probability_batch(flat.data(), width, lens.data(), ctx.size(), tok.data(), 0, tok.size(), p.data(), mt.data());
+    }
+    return py::make_tuple(std::vector<double>(p.begin(), p.end()), mt);
   });
 
   py::class_<PyCounter>(m, "SliceCounter")

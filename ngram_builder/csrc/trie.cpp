@@ -348,6 +348,11 @@ uint64_t TrieView::hash_probe(uint64_t i, uint32_t tok, uint64_t s, uint64_t e) 
 
 // Child ranges below this size are searched directly (a few cache lines), larger ones hashed.
 constexpr uint64_t kHashMinRange = 48;
+#if defined(__SSE2__)
+constexpr bool kSse2 = true;
+#else
+constexpr bool kSse2 = false;
+#endif
 
 bool TrieView::find_child(int k, uint64_t i, int64_t tok, uint64_t& out, bool& ok) const {
   if (tok < 0 || static_cast<uint64_t>(tok) >= hdr_.vocab_size || k >= static_cast<int>(hdr_.order)) return false;
@@ -461,7 +466,7 @@ bool TrieView::probability_generic(const int32_t* context, size_t context_len, c
       __builtin_prefetch(hash_ + hash_slot(static_cast<uint32_t>(ctx[max_len - 2]), last, hash_slots_) * 4);
   }
   // Context nodes for every usable suffix length and their child ranges.
-  uint64_t begin[kMaxOrder], end[kMaxOrder], nodes[kMaxOrder];
+  uint64_t begin[kMaxOrder], end[kMaxOrder];
   float inv[kMaxOrder];
   bool use_hash1 = false;
   bool any = false;
@@ -471,7 +476,6 @@ bool TrieView::probability_generic(const int32_t* context, size_t context_len, c
     if (!find_path(context + context_len - len, len, node, ok)) continue;
     const int k = static_cast<int>(len);
     const LevelView& L = lv_[k];
-    nodes[len] = node;
     begin[len] = child_at(L, node);
     end[len] = child_at(L, node + 1);
     if (begin[len] > end[len] || end[len] > lv_[k + 1].n) {
@@ -559,12 +563,62 @@ inline void prefetch_search(const uint8_t* base, uint64_t s, uint64_t e, uint32_
   for (uint64_t k = 1; k < 16; ++k) __builtin_prefetch(base + (s + len * k / 16) * width);
 }
 
+// Runs of 2-byte tokens up to this length (16 cache lines) are searched by segments
+// (search_segments16) instead of a binary search, and the candidates under a 1-token context with
+// at most this many children are searched in its run instead of through the level-2 hash: a
+// query is bound by the cache lines it touches, and the hash costs a slot line per candidate
+// plus a token line and a count line per match (~47 lines on ShareGPT; the run: <= 16 + matches).
+constexpr uint64_t kSegmentMaxRange = 512;
+// Hash probes looked at when prefetching a lookup's possible matches (longer sequences are rare).
+constexpr uint64_t kPrefetchProbes = 4;
+
+#if defined(__SSE2__)
+// Positions of `keys` in the sorted, duplicate-free 2-byte tokens [s, e), 32 <= e - s <= 512:
+// the run as up to 16 segments of 32 tokens; the segments' first tokens (two SSE2 registers)
+// give a key's segment in one compare, 4 compares search it: no branches and no chain of dependent
+// loads (a binary search has ~9 steps). Same answers as search_lockstep.
+inline void search_segments16(const uint8_t* base, uint64_t s, uint64_t e, const uint32_t* keys, size_t n,
+                              uint64_t* out) {
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(base) + s;
+  const uint64_t len = e - s;
+  const uint32_t nseg = static_cast<uint32_t>((len + 31) / 32);
+  alignas(16) uint16_t first[16];
+  for (uint32_t j = 0; j < 16; ++j) first[j] = j < nseg ? a[32 * j] : 0xFFFF;
+  const __m128i f0 = _mm_load_si128(reinterpret_cast<const __m128i*>(first));
+  const __m128i f1 = _mm_load_si128(reinterpret_cast<const __m128i*>(first + 8));
+  const __m128i zero = _mm_setzero_si128();
+  const uint64_t valid = (1ull << (2 * nseg)) - 1;  // 2 mask bits per segment
+  for (size_t i = 0; i < n; ++i) {
+    const __m128i k = _mm_set1_epi16(static_cast<short>(keys[i]));
+    // Segments whose first token is <= key (a prefix): the saturating difference is zero there.
+    const uint64_t le = (static_cast<uint64_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_subs_epu16(f0, k), zero))) |
+                         static_cast<uint64_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_subs_epu16(f1, k), zero))) << 16) &
+                        valid;
+    // Below the first token: no segment (searched as segment 0, whose compares then fail).
+    const uint64_t seg = le ? (static_cast<uint64_t>(__builtin_ctzll(~le)) >> 1) - 1 : 0;
+    const uint64_t w = std::min<uint64_t>(32 * seg, len - 32);  // the last window ends at the run's end
+    const __m128i* p = reinterpret_cast<const __m128i*>(a + w);
+    const uint64_t eq = static_cast<uint64_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_loadu_si128(p), k))) |
+                        static_cast<uint64_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_loadu_si128(p + 1), k))) << 16 |
+                        static_cast<uint64_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_loadu_si128(p + 2), k))) << 32 |
+                        static_cast<uint64_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_loadu_si128(p + 3), k))) << 48;
+    // Keys beyond 2 bytes were truncated by the broadcast: they match nothing.
+    const bool hit = eq != 0 && keys[i] <= 0xFFFF;
+    out[i] = hit ? s + w + (static_cast<uint64_t>(__builtin_ctzll(eq | (1ull << 63))) >> 1) : kNone;
+  }
+}
+#endif
+
 // Positions of `keys` in the sorted, duplicate-free tokens [s, e): equality compares instead of a
 // binary search when the run is short (the median 2-token context has ~20 children), 8 tokens per
-// SSE2 compare. Same answers as search_lockstep.
+// SSE2 compare; segments for longer runs. Same answers as search_lockstep.
 template <class TT>
 inline void search_keys(const uint8_t* base, uint64_t s, uint64_t e, const uint32_t* keys, size_t n, uint64_t* out) {
 #if defined(__SSE2__)
+  if (sizeof(TT) == 2 && e - s > 64 && e - s <= kSegmentMaxRange) {
+    search_segments16(base, s, e, keys, n, out);
+    return;
+  }
   if (sizeof(TT) == 2 && e - s >= 8 && e - s <= 64) {
     const uint16_t* a = reinterpret_cast<const uint16_t*>(base) + s;
     const uint64_t len = e - s;
@@ -580,16 +634,15 @@ inline void search_keys(const uint8_t* base, uint64_t s, uint64_t e, const uint3
       off[nb++] = static_cast<uint32_t>(len - 8);
     }
     for (size_t i = 0; i < n; ++i) {
-      out[i] = kNone;
-      if (keys[i] > 0xFFFF) continue;
+      // Every block compared, the hit selected without branches (tokens are distinct, so only
+      // the overlapping tail block can hit a second time, at the same position).
       const __m128i k = _mm_set1_epi16(static_cast<short>(keys[i]));
+      uint64_t pos = kNone;
       for (int b = 0; b < nb; ++b) {
-        const int m = _mm_movemask_epi8(_mm_cmpeq_epi16(blk[b], k));
-        if (m) {
-          out[i] = s + off[b] + (static_cast<uint32_t>(__builtin_ctz(static_cast<unsigned>(m))) >> 1);
-          break;
-        }
+        const unsigned m = static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi16(blk[b], k)));
+        pos = m ? s + off[b] + (static_cast<uint32_t>(__builtin_ctz(m | 0x10000u)) >> 1) : pos;
       }
+      out[i] = keys[i] <= 0xFFFF ? pos : kNone;
     }
     return;
   }
@@ -617,149 +670,421 @@ inline uint64_t probe_slots(const uint8_t* hash, uint64_t slots, uint64_t max_pr
 }
 }  // namespace
 
-template <class TT>
-void TrieView::query_block(const int32_t* ctx, size_t len, const int32_t* tokens, size_t n, float* probs,
-                           int32_t* matched, bool& ok) const {
-  const uint64_t V = hdr_.vocab_size;
-  // Every context is a path ending in the last token: if that is not a unigram, nothing matches.
-  const int32_t last = ctx[len - 1];
-  if (last < 0 || static_cast<uint64_t>(last) >= V) return;
-  const uint32_t a = static_cast<uint32_t>(last);
-  // The trie is far larger than the caches, so nearly every step is a cache miss (~200 ns here).
-  // The query runs as a few rounds in which all independent loads are issued together. The hash
-  // keys are tokens only, so the slots of the 2-token context and of every candidate under the
-  // 1-token context are known before anything is read: round 1 fetches them all.
-  const bool two = len >= 2 && ctx[len - 2] >= 0 && static_cast<uint64_t>(ctx[len - 2]) < V;
-  const uint32_t b = two ? static_cast<uint32_t>(ctx[len - 2]) : 0;
-  const uint64_t slot_ctx = two ? hash_slot(b, a, hash_slots_) : 0;
-  if (two) __builtin_prefetch(hash_ + slot_ctx * 4);
-  const Unigram ua = uni_[a];
-  const Unigram ub = two ? uni_[b] : Unigram{};
+// One query of a batch: one row's context and at most kBlock of its candidates, with what each
+// stage leaves for the next.
+struct TrieView::Query {
+  const int32_t* ctx = nullptr;  // the last `len` (<= order - 1) context tokens
+  size_t len = 0;
+  const int32_t* tokens = nullptr;
+  size_t n = 0;
+  float* probs = nullptr;
+  int32_t* matched = nullptr;
+  size_t row = 0;
+  bool active = false;  // false: nothing can match, the outputs stay zero
+  bool reuse1 = false;  // same last token and candidates as the previous query: its level-1 answers
+  bool cache1 = false;  // store this query's level-1 answers for the queries that reuse them
+  bool ok = true;
+  bool zeroed = false;  // outputs zeroed early (contexts longer than 2 tokens write them first)
+  bool two = false, hash1 = false, hashb = false;
+  uint32_t a = 0, b = 0;  // last and second-to-last context token
+  uint64_t slot_ctx = 0;
+  uint64_t s1 = 0, e1 = 0, sb = 0, eb = 0, s2 = 0, e2 = 0;
+  float inv1 = 0.0f, inv2 = 0.0f;
   uint32_t key[kBlock];
   uint64_t slot[kBlock];
-  for (size_t i = 0; i < n; ++i) {
-    key[i] = tokens[i] >= 0 && static_cast<uint64_t>(tokens[i]) < V ? static_cast<uint32_t>(tokens[i]) : kNoKey;
-    slot[i] = hash_slot(a, key[i], hash_slots_);
-    __builtin_prefetch(hash_ + slot[i] * 4);
+  uint64_t found1[kBlock], found2[kBlock];
+};
+
+// Level-1 answers (candidates under the last context token) of the last query that computed them.
+struct TrieView::Level1Cache {
+  float prob[kBlock];
+  uint8_t state[kBlock];  // 0: no child, 1: child, 2: child whose count is corrupt
+};
+
+struct TrieView::Batch {
+  const int32_t* contexts;
+  size_t context_stride;
+  const int32_t* context_lens;
+  size_t rows;
+  const int32_t* tokens;
+  size_t token_stride;
+  size_t n;
+  float* probs;
+  int32_t* matched;
+  const uint32_t* order;  // processing order of the rows (null: as given)
+};
+
+// Stage 1: request everything keyed by tokens alone. The trie is far larger
+// than the caches, so nearly every step is a cache miss (~170 ns here); the hash keys are tokens
+// only, so the slots of the 2-token context and of every candidate under the 1-token context are
+// known before anything is read.
+template <class TT>
+void TrieView::stage_issue(Query& q) const {
+  // The outputs are written once, by the last stage (a batch's outputs are new cache lines,
+  // each store a miss): request their lines now.
+  for (size_t i = 0; i < q.n; i += 16) {
+    __builtin_prefetch(q.probs + i, 1);
+    __builtin_prefetch(q.matched + i, 1);
   }
+  q.zeroed = false;
+  q.ok = true;
+  q.active = false;
+  if (q.len == 0 || q.n == 0) return;
+  const uint64_t V = hdr_.vocab_size;
+  // Every context is a path ending in the last token: if that is not a unigram, nothing matches.
+  const int32_t last = q.ctx[q.len - 1];
+  if (last < 0 || static_cast<uint64_t>(last) >= V) return;
+  q.active = true;
+  q.a = static_cast<uint32_t>(last);
+  q.two = q.len >= 2 && q.ctx[q.len - 2] >= 0 && static_cast<uint64_t>(q.ctx[q.len - 2]) < V;
+  q.b = q.two ? static_cast<uint32_t>(q.ctx[q.len - 2]) : 0;
+  // The 2-token context's slot starts the longest chain of misses (slot, node, children, counts):
+  // requested before anything is read. The unigram entries may miss too (786 KB for SmolLM2);
+  // the keys are computed while they arrive.
+  if (q.two) {
+    q.slot_ctx = hash_slot(q.b, q.a, hash_slots_);
+    __builtin_prefetch(hash_ + q.slot_ctx * 4);
+    __builtin_prefetch(&uni_[q.b]);
+  }
+  __builtin_prefetch(&uni_[q.a]);
+  for (size_t i = 0; i < q.n; ++i) {
+    const int32_t t = q.tokens[i];
+    q.key[i] = t >= 0 && static_cast<uint64_t>(t) < V ? static_cast<uint32_t>(t) : kNoKey;
+  }
+  // Short child runs are then requested whole, long ones through the hash.
+  const Unigram ua = uni_[q.a];
+  const Unigram ub = q.two ? uni_[q.b] : Unigram{};
+  if (ua.s > ua.e || ub.s > ub.e) q.ok = false;
+  q.s1 = ua.s <= ua.e ? ua.s : 0;
+  q.e1 = ua.s <= ua.e ? ua.e : 0;
+  q.sb = ub.s <= ub.e ? ub.s : 0;
+  q.eb = ub.s <= ub.e ? ub.e : 0;
+  q.inv1 = ua.inv;
+  q.hash1 = q.e1 - q.s1 >= (sizeof(TT) == 2 && kSse2 ? kSegmentMaxRange + 1 : kHashMinRange);
+  q.hashb = q.eb - q.sb >= kHashMinRange;
   const LevelView& L2 = lv_[2];
   constexpr uint32_t tb = sizeof(TT);
-  if (ua.s > ua.e || ub.s > ub.e) ok = false;
-  const uint64_t s1 = ua.s <= ua.e ? ua.s : 0, e1 = ua.s <= ua.e ? ua.e : 0;
-  const uint64_t sb = ub.s <= ub.e ? ub.s : 0, eb = ub.s <= ub.e ? ub.e : 0;
-  const bool hash1 = e1 - s1 >= kHashMinRange, hashb = eb - sb >= kHashMinRange;
-  // Round 2: the level-2 nodes the slots point at (the first slot nearly always holds the match).
-  if (hashb) {
-    uint32_t v;
-    std::memcpy(&v, hash_ + slot_ctx * 4, 4);
-    if (v >= sb && v < eb) {
-      __builtin_prefetch(L2.tokens + static_cast<uint64_t>(v) * tb);
-      __builtin_prefetch(L2.child + static_cast<uint64_t>(v) * L2.child_bytes);
-      __builtin_prefetch(L2.counts + static_cast<uint64_t>(v) * L2.count_bytes);
+  if (!q.hashb) prefetch_search(L2.tokens, q.sb, q.eb, tb);
+  if (q.reuse1) return;
+  if (q.hash1) {
+    for (size_t i = 0; i < q.n; ++i) {
+      q.slot[i] = hash_slot(q.a, q.key[i], hash_slots_);
+      __builtin_prefetch(hash_ + q.slot[i] * 4);
     }
   } else {
-    prefetch_search(L2.tokens, sb, eb, tb);
+    // The counts of the matches are requested once they are known (stage_search), unless the
+    // whole run's counts are only a few lines.
+    prefetch_search(L2.tokens, q.s1, q.e1, tb);
+    prefetch_small(L2.counts, q.s1, q.e1, L2.count_bytes, 2);
   }
-  if (hash1) {
-    for (size_t i = 0; i < n; ++i) {
+}
+
+// Stage 2: the hash slots have arrived: request the level-2 nodes they point at (the 2-token
+// context's node, and each candidate's under the 1-token context).
+void TrieView::stage_context(Query& q) const {
+  if (!q.active) return;
+  const LevelView& L2 = lv_[2];
+  const uint32_t tb = hdr_.token_bytes;
+  // Every entry of the probe sequence that is a child of the right parent is a possible match
+  // (half the slots are full, so the match is often not the first); the first empty slot ends it.
+  const uint64_t max_probe = std::min(hash_max_probe_, kPrefetchProbes);
+  if (q.hashb) {
+    uint64_t i = q.slot_ctx;
+    for (uint64_t probe = 0; probe < max_probe; ++probe) {
       uint32_t v;
-      std::memcpy(&v, hash_ + slot[i] * 4, 4);
-      if (v >= s1 && v < e1) {
+      std::memcpy(&v, hash_ + i * 4, 4);
+      if (v == kHashEmpty) break;
+      if (v >= q.sb && v < q.eb) {
+        __builtin_prefetch(L2.tokens + static_cast<uint64_t>(v) * tb);
+        __builtin_prefetch(L2.child + static_cast<uint64_t>(v) * L2.child_bytes);
+        __builtin_prefetch(L2.counts + static_cast<uint64_t>(v) * L2.count_bytes);
+      }
+      if (++i == hash_slots_) i = 0;
+    }
+  }
+  if (q.reuse1 || !q.hash1) return;
+  for (size_t c = 0; c < q.n; ++c) {
+    uint64_t i = q.slot[c];
+    for (uint64_t probe = 0; probe < max_probe; ++probe) {
+      uint32_t v;
+      std::memcpy(&v, hash_ + i * 4, 4);
+      if (v == kHashEmpty) break;
+      if (v >= q.s1 && v < q.e1) {
         __builtin_prefetch(L2.tokens + static_cast<uint64_t>(v) * tb);
         __builtin_prefetch(L2.counts + static_cast<uint64_t>(v) * L2.count_bytes);
       }
+      if (++i == hash_slots_) i = 0;
     }
-  } else {
-    prefetch_search(L2.tokens, s1, e1, tb);
-    prefetch_search(L2.counts, s1, e1, L2.count_bytes);
   }
-  // Round 3: the 2-token context's node, then its children on level 3.
-  uint64_t s2 = 0, e2 = 0;
-  float inv2 = 0.0f;
-  if (eb > sb) {
+}
+
+// Stage 3: the 2-token context's node, requesting its children on level 3; contexts longer than
+// 2 tokens.
+template <class TT>
+void TrieView::stage_children(Query& q) const {
+  if (!q.active) return;
+  constexpr uint32_t tb = sizeof(TT);
+  const LevelView& L2 = lv_[2];
+  q.s2 = q.e2 = 0;
+  q.inv2 = 0.0f;
+  if (q.eb > q.sb) {
     uint64_t node = kNone;
-    if (hashb)
-      node = probe_slots<TT>(hash_, hash_slots_, hash_max_probe_, slot_ctx, a, sb, eb, L2.tokens);
-    else if (!search_tokens<TT>(L2.tokens, sb, eb, a, node))
+    if (q.hashb)
+      node = probe_slots<TT>(hash_, hash_slots_, hash_max_probe_, q.slot_ctx, q.a, q.sb, q.eb, L2.tokens);
+    else if (!search_tokens<TT>(L2.tokens, q.sb, q.eb, q.a, node))
       node = kNone;
     if (node != kNone) {
       const LevelView& L3 = lv_[3];
-      s2 = child_at(L2, node);
-      e2 = child_at(L2, node + 1);
-      if (s2 > e2 || e2 > L3.n) ok = false, s2 = e2 = 0;
-      prefetch_search(L3.tokens, s2, e2, tb);
-      prefetch_small(L3.counts, s2, e2, L3.count_bytes, 2);
-      const uint64_t c = count_checked(2, node, ok);
+      q.s2 = child_at(L2, node);
+      q.e2 = child_at(L2, node + 1);
+      if (q.s2 > q.e2 || q.e2 > L3.n) q.ok = false, q.s2 = q.e2 = 0;
+      prefetch_search(L3.tokens, q.s2, q.e2, tb);
+      prefetch_small(L3.counts, q.s2, q.e2, L3.count_bytes, 4);
+      const uint64_t c = count_checked(2, node, q.ok);
       // Same float arithmetic as the original (count * (1/ctx_count)), bit for bit. A zero
       // context count (possible only after pruning) gives 0 instead of the original's NaN.
-      inv2 = c ? 1.0f / static_cast<float>(c) : 0.0f;
+      q.inv2 = c ? 1.0f / static_cast<float>(c) : 0.0f;
     }
   }
   // Contexts longer than 2 tokens (order > 3), longest first; not the common case.
-  for (size_t l = len; l >= 3; --l) {
+  if (q.len >= 3) {
+    for (size_t i = 0; i < q.n; ++i) {
+      q.probs[i] = 0.0f;
+      q.matched[i] = 0;
+    }
+    q.zeroed = true;
+  }
+  for (size_t l = q.len; l >= 3; --l) {
     uint64_t node;
-    if (!find_path(ctx + len - l, l, node, ok)) continue;
+    if (!find_path(q.ctx + q.len - l, l, node, q.ok)) continue;
     const int k = static_cast<int>(l);
     const uint64_t s = child_at(lv_[k], node), e = child_at(lv_[k], node + 1);
     if (s > e || e > lv_[k + 1].n) {
-      ok = false;
+      q.ok = false;
       continue;
     }
     if (s == e) continue;
-    const uint64_t c = count_checked(k, node, ok);
+    const uint64_t c = count_checked(k, node, q.ok);
     const float inv = c ? 1.0f / static_cast<float>(c) : 0.0f;
     uint64_t found[kBlock];
-    search_lockstep<TT>(lv_[k + 1].tokens, s, e, key, n, found);
-    for (size_t i = 0; i < n; ++i) {
-      if (matched[i] || found[i] == kNone) continue;
-      probs[i] = static_cast<float>(count_checked(k + 1, found[i], ok)) * inv;
-      matched[i] = static_cast<int32_t>(l);
+    search_lockstep<TT>(lv_[k + 1].tokens, s, e, q.key, q.n, found);
+    for (size_t i = 0; i < q.n; ++i) {
+      if (q.matched[i] || found[i] == kNone) continue;
+      q.probs[i] = static_cast<float>(count_checked(k + 1, found[i], q.ok)) * inv;
+      q.matched[i] = static_cast<int32_t>(l);
     }
   }
-  // Round 4: candidates under the 1-token context (their slots and nodes have arrived meanwhile),
-  // then under the 2-token context (its children have arrived meanwhile).
-  uint64_t found1[kBlock], found2[kBlock];
-  if (hash1)
-    for (size_t i = 0; i < n; ++i)
-      found1[i] = probe_slots<TT>(hash_, hash_slots_, hash_max_probe_, slot[i], key[i], s1, e1, L2.tokens);
-  else
-    search_keys<TT>(L2.tokens, s1, e1, key, n, found1);
-  search_keys<TT>(lv_[3].tokens, s2, e2, key, n, found2);
-  for (size_t i = 0; i < n; ++i)
-    if (found2[i] != kNone) __builtin_prefetch(lv_[3].counts + found2[i] * lv_[3].count_bytes);
+}
+
+// Stage 4: the candidates among the 1-token context's children, then among the 2-token context's
+// (requesting the counts of the matches).
+template <class TT>
+void TrieView::stage_search(Query& q) const {
+  if (!q.active) return;
+  // The candidates' level-2 data was requested a stage earlier than the level-3 run: searching
+  // it first overlaps that work with the run's arrival.
+  if (!q.reuse1) {
+    if (q.hash1) {
+      for (size_t i = 0; i < q.n; ++i)
+        q.found1[i] = probe_slots<TT>(hash_, hash_slots_, hash_max_probe_, q.slot[i], q.key[i], q.s1, q.e1,
+                                      lv_[2].tokens);
+    } else {
+      search_keys<TT>(lv_[2].tokens, q.s1, q.e1, q.key, q.n, q.found1);
+      for (size_t i = 0; i < q.n; ++i)
+        if (q.found1[i] != kNone) __builtin_prefetch(lv_[2].counts + q.found1[i] * lv_[2].count_bytes);
+    }
+  }
   const LevelView& L3 = lv_[3];
-  for (size_t i = 0; i < n; ++i) {
-    if (matched[i]) continue;
-    // Narrow counts below their escape value are the common case: read them inline.
-    if (found2[i] != kNone) {
-      uint64_t c = read_uint(L3.counts, L3.count_bytes, found2[i]);
-      if (L3.count_bytes < 8 && c == sentinel(L3.count_bytes)) c = count_checked(3, found2[i], ok);
-      probs[i] = static_cast<float>(c) * inv2;
-      matched[i] = 2;
-    } else if (found1[i] != kNone) {
-      uint64_t c = read_uint(L2.counts, L2.count_bytes, found1[i]);
-      if (L2.count_bytes < 8 && c == sentinel(L2.count_bytes)) c = count_checked(2, found1[i], ok);
-      probs[i] = static_cast<float>(c) * ua.inv;
-      matched[i] = 1;
+  search_keys<TT>(L3.tokens, q.s2, q.e2, q.key, q.n, q.found2);
+  for (size_t i = 0; i < q.n; ++i)
+    if (q.found2[i] != kNone) __builtin_prefetch(L3.counts + q.found2[i] * L3.count_bytes);
+}
+
+// Stage 5: the answers, longest context first.
+void TrieView::stage_finish(Query& q, Level1Cache& cache) const {
+  if (!q.active) {
+    for (size_t i = 0; i < q.n; ++i) {
+      q.probs[i] = 0.0f;
+      q.matched[i] = 0;
+    }
+    return;
+  }
+  const LevelView& L2 = lv_[2];
+  const LevelView& L3 = lv_[3];
+  // Narrow counts below their escape value are the common case: read them inline.
+  if (q.cache1) {
+    for (size_t i = 0; i < q.n; ++i) {
+      cache.state[i] = 0;
+      if (q.found1[i] == kNone) continue;
+      bool count_ok = true;
+      uint64_t c = read_uint(L2.counts, L2.count_bytes, q.found1[i]);
+      if (L2.count_bytes < 8 && c == sentinel(L2.count_bytes)) c = count_checked(2, q.found1[i], count_ok);
+      cache.prob[i] = static_cast<float>(c) * q.inv1;
+      cache.state[i] = count_ok ? 1 : 2;
     }
   }
+  for (size_t i = 0; i < q.n; ++i) {
+    if (q.zeroed && q.matched[i]) continue;  // matched by a context longer than 2 tokens
+    q.probs[i] = 0.0f;
+    q.matched[i] = 0;
+    if (q.found2[i] != kNone) {
+      uint64_t c = read_uint(L3.counts, L3.count_bytes, q.found2[i]);
+      if (L3.count_bytes < 8 && c == sentinel(L3.count_bytes)) c = count_checked(3, q.found2[i], q.ok);
+      // Same float arithmetic as the original (count * (1/ctx_count)), bit for bit.
+      q.probs[i] = static_cast<float>(c) * q.inv2;
+      q.matched[i] = 2;
+    } else if (q.reuse1 || q.cache1) {
+      // Only a count this query uses may flag corruption, as in a query of its own.
+      if (!cache.state[i]) continue;
+      if (cache.state[i] == 2) q.ok = false;
+      q.probs[i] = cache.prob[i];
+      q.matched[i] = 1;
+    } else if (q.found1[i] != kNone) {
+      uint64_t c = read_uint(L2.counts, L2.count_bytes, q.found1[i]);
+      if (L2.count_bytes < 8 && c == sentinel(L2.count_bytes)) c = count_checked(2, q.found1[i], q.ok);
+      q.probs[i] = static_cast<float>(c) * q.inv1;
+      q.matched[i] = 1;
+    }
+  }
+}
+
+// Runs the queries of a batch through the five stages as a software pipeline: each step advances
+// five consecutive queries by one stage each, so every stage's requests have a whole step to
+// arrive and the misses of different queries overlap. One query runs the stages back to back.
+template <class TT>
+bool TrieView::run_batch(const Batch& B, std::vector<size_t>* bad_rows) const {
+  if (B.n == 0) return true;
+  const size_t blocks = (B.n + kBlock - 1) / kBlock;
+  const size_t total = B.rows * blocks;
+  // Rows sharing the candidates and (adjacent in B.order) the last context token share the
+  // level-1 answers: those are computed once.
+  const bool shared = B.token_stride == 0 && blocks == 1 && B.rows > 1;
+  const size_t max_len = static_cast<size_t>(hdr_.order) - 1;
+  constexpr size_t kDepth = 5;
+  Query ring[kDepth];
+  Level1Cache cache;
+  bool prev_active = false;
+  uint32_t prev_a = 0;
+  bool ok = true;
+  // Query t: row, first candidate, and its context's last `len` tokens.
+  auto locate = [&](size_t t, size_t& r, size_t& b0, size_t& len) -> const int32_t* {
+    r = B.order ? B.order[t / blocks] : t / blocks;
+    b0 = (t % blocks) * kBlock;
+    const size_t clen = B.context_lens[r] > 0 ? static_cast<size_t>(B.context_lens[r]) : 0;
+    len = std::min(max_len, clen);
+    return B.contexts + r * B.context_stride + (clen - len);
+  };
+  for (size_t t = 0; t < total + kDepth - 1; ++t) {
+    if (t >= 4 && t - 4 < total) {
+      Query& q = ring[(t - 4) % kDepth];
+      stage_finish(q, cache);
+      if (!q.ok) {
+        ok = false;
+        if (bad_rows) bad_rows->push_back(q.row);
+      }
+    }
+    if (t >= 3 && t - 3 < total) stage_search<TT>(ring[(t - 3) % kDepth]);
+    if (t >= 2 && t - 2 < total) stage_children<TT>(ring[(t - 2) % kDepth]);
+    if (t >= 1 && t - 1 < total) stage_context(ring[(t - 1) % kDepth]);
+    if (t < total) {
+      Query& q = ring[t % kDepth];
+      size_t r, b0;
+      q.ctx = locate(t, r, b0, q.len);
+      q.tokens = B.tokens + r * B.token_stride + b0;
+      q.n = std::min(kBlock, B.n - b0);
+      q.probs = B.probs + r * B.n + b0;
+      q.matched = B.matched + r * B.n + b0;
+      q.row = r;
+      q.reuse1 = shared && prev_active && q.len > 0 && q.ctx[q.len - 1] == static_cast<int32_t>(prev_a);
+      q.cache1 = false;
+      stage_issue<TT>(q);
+      // The first query of a group stores its level-1 answers (its last stage runs later).
+      if (q.reuse1) {
+        Query& prev = ring[(t + kDepth - 1) % kDepth];
+        if (!prev.reuse1) prev.cache1 = true;
+      }
+      prev_active = q.active;
+      prev_a = q.a;
+      // The next query reads its context tokens' unigram entries first thing: request them now.
+      if (t + 1 < total) {
+        size_t nr, nb0, nlen;
+        const int32_t* nctx = locate(t + 1, nr, nb0, nlen);
+        for (size_t j = nlen > 2 ? nlen - 2 : 0; j < nlen; ++j)
+          if (nctx[j] >= 0 && static_cast<uint64_t>(nctx[j]) < hdr_.vocab_size) __builtin_prefetch(&uni_[nctx[j]]);
+      }
+    }
+  }
+  return ok;
+}
+
+bool TrieView::probability_batch_checked(const int32_t* contexts, size_t context_stride, const int32_t* context_lens,
+                                         size_t rows, const int32_t* tokens, size_t token_stride, size_t n,
+                                         float* probs, int32_t* matched, std::vector<size_t>* bad_rows) const {
+  if (uni_.empty()) {
+    bool ok = true;
+    for (size_t r = 0; r < rows; ++r) {
+      const size_t len = context_lens[r] > 0 ? static_cast<size_t>(context_lens[r]) : 0;
+      if (!probability_generic(contexts + r * context_stride, len, tokens + r * token_stride, n, probs + r * n,
+                               matched + r * n)) {
+        ok = false;
+        if (bad_rows) bad_rows->push_back(r);
+      }
+    }
+    return ok;
+  }
+  // Shared candidates: rows grouped by last context token, so that each group's level-1 answers
+  // are computed once (the tree search's beam paths often end in the same token).
+  uint32_t order_small[64];
+  std::vector<uint32_t> order_big;
+  const uint32_t* order = nullptr;
+  if (token_stride == 0 && rows > 1 && n <= kBlock && rows < (1ull << 31)) {
+    const size_t max_len = static_cast<size_t>(hdr_.order) - 1;
+    // (last token + 1) << 32 | row, sorted; rows without a context token first.
+    std::vector<uint64_t> keyed_big;
+    uint64_t keyed_small[64];
+    uint64_t* keyed = keyed_small;
+    if (rows > 64) {
+      keyed_big.resize(rows);
+      keyed = keyed_big.data();
+      order_big.resize(rows);
+    }
+    for (size_t r = 0; r < rows; ++r) {
+      const size_t clen = context_lens[r] > 0 ? static_cast<size_t>(context_lens[r]) : 0;
+      const int64_t last = std::min(max_len, clen) ? contexts[r * context_stride + clen - 1] : -1;
+      keyed[r] = static_cast<uint64_t>(last + 1) << 32 | r;
+    }
+    std::sort(keyed, keyed + rows);
+    uint32_t* out = rows > 64 ? order_big.data() : order_small;
+    for (size_t r = 0; r < rows; ++r) out[r] = static_cast<uint32_t>(keyed[r]);
+    order = out;
+  }
+  const Batch b{contexts, context_stride, context_lens, rows, tokens, token_stride, n, probs, matched, order};
+  return hdr_.token_bytes == 2 ? run_batch<uint16_t>(b, bad_rows) : run_batch<uint32_t>(b, bad_rows);
+}
+
+void TrieView::probability_batch(const int32_t* contexts, size_t context_stride, const int32_t* context_lens,
+                                 size_t rows, const int32_t* tokens, size_t token_stride, size_t n, float* probs,
+                                 int32_t* matched) const {
+  std::vector<size_t> bad;
+  if (probability_batch_checked(contexts, context_stride, context_lens, rows, tokens, token_stride, n, probs, matched,
+                                &bad))
+    return;
+  // Corrupt data: those rows report "unseen" rather than garbage (the Python API raises instead).
+  for (size_t r : bad)
+    for (size_t i = 0; i < n; ++i) {
+      probs[r * n + i] = 0.0f;
+      matched[r * n + i] = 0;
+    }
 }
 
 bool TrieView::probability_checked(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
                                    float* probs, int32_t* matched) const {
   if (uni_.empty()) return probability_generic(context, context_len, tokens, n, probs, matched);
-  for (size_t i = 0; i < n; ++i) {
-    probs[i] = 0.0f;
-    matched[i] = 0;
-  }
-  const size_t max_len = std::min(static_cast<size_t>(hdr_.order) - 1, context_len);
-  if (max_len == 0 || n == 0) return true;
-  bool ok = true;
-  const auto block = hdr_.token_bytes == 2 ? &TrieView::query_block<uint16_t> : &TrieView::query_block<uint32_t>;
-  for (size_t b0 = 0; b0 < n; b0 += kBlock)
-    (this->*block)(context + context_len - max_len, max_len, tokens + b0, std::min(kBlock, n - b0), probs + b0,
-                   matched + b0, ok);
-  return ok;
+  // Only the last order - 1 tokens are read.
+  const size_t len = std::min(static_cast<size_t>(hdr_.order) - 1, context_len);
+  const int32_t len32 = static_cast<int32_t>(len);
+  const Batch b{context + context_len - len, 0, &len32, 1, tokens, 0, n, probs, matched, nullptr};
+  return hdr_.token_bytes == 2 ? run_batch<uint16_t>(b, nullptr) : run_batch<uint32_t>(b, nullptr);
 }
 
 void TrieView::probability(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n, float* probs,

@@ -57,6 +57,14 @@ class TrieView : public dart::NgramQuery {
   // Same, returning false when corrupt data was met (results then must not be trusted).
   bool probability_checked(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
                            float* probs, int32_t* matched) const;
+  void probability_batch(const int32_t* contexts, size_t context_stride, const int32_t* context_lens, size_t rows,
+                         const int32_t* tokens, size_t token_stride, size_t n, float* probs,
+                         int32_t* matched) const override;
+  // Same, returning false when corrupt data was met; the rows that met it are appended to
+  // `bad_rows` (their results must not be trusted).
+  bool probability_batch_checked(const int32_t* contexts, size_t context_stride, const int32_t* context_lens,
+                                 size_t rows, const int32_t* tokens, size_t token_stride, size_t n, float* probs,
+                                 int32_t* matched, std::vector<size_t>* bad_rows = nullptr) const;
 
   const Header& header() const { return hdr_; }
   uint64_t vocab_size() const { return hdr_.vocab_size; }
@@ -83,11 +91,22 @@ class TrieView : public dart::NgramQuery {
   // probability_checked for any shape (binary searches and find_path per context length).
   bool probability_generic(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
                            float* probs, int32_t* matched) const;
-  // The hot path (dense level-1 index and level-2 hash present): at most kQueryBlock candidates,
-  // `ctx` = the last `len` (>= 1) context tokens, outputs already zeroed.
+  // The hot path (dense level-1 index and level-2 hash present). A query (one row, at most 64
+  // candidates) is split into stages, each issuing the prefetches the next one needs; a batch
+  // runs several queries' stages interleaved so that their cache misses overlap (trie.cpp).
+  struct Query;
+  struct Batch;
+  struct Level1Cache;
   template <class TT>
-  void query_block(const int32_t* ctx, size_t len, const int32_t* tokens, size_t n, float* probs,
-                   int32_t* matched, bool& ok) const;
+  bool run_batch(const Batch& batch, std::vector<size_t>* bad_rows) const;
+  template <class TT>
+  void stage_issue(Query& q) const;
+  void stage_context(Query& q) const;
+  template <class TT>
+  void stage_children(Query& q) const;
+  template <class TT>
+  void stage_search(Query& q) const;
+  void stage_finish(Query& q, Level1Cache& cache) const;
   // Level-2 child with token `tok` of the level-1 node whose token is `parent` and whose child
   // range is [s, e), via the table.
   uint64_t hash_find(uint32_t parent, uint32_t tok, uint64_t s, uint64_t e) const {

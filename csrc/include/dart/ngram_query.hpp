@@ -28,6 +28,19 @@ class NgramQuery {
   // Must be thread-safe for concurrent readers and must not touch Python.
   virtual void probability(const int32_t* context, size_t context_len, const int32_t* tokens,
                            size_t n, float* probs, int32_t* matched) const = 0;
+
+  // `rows` queries at once, each answered exactly as probability() would: row r has the context
+  // `contexts + r * context_stride` of `context_lens[r]` (>= 0) tokens and the n candidates
+  // `tokens + r * token_stride` (token_stride 0: all rows share one candidate list), and writes
+  // probs/matched[r * n, (r + 1) * n). Implementations overlap the rows' memory accesses, which a
+  // loop of single queries cannot; this default is that loop.
+  virtual void probability_batch(const int32_t* contexts, size_t context_stride, const int32_t* context_lens,
+                                 size_t rows, const int32_t* tokens, size_t token_stride, size_t n, float* probs,
+                                 int32_t* matched) const {
+    for (size_t r = 0; r < rows; ++r)
+      probability(contexts + r * context_stride, context_lens[r] > 0 ? static_cast<size_t>(context_lens[r]) : 0,
+                  tokens + r * token_stride, n, probs + r * n, matched + r * n);
+  }
 };
 
 }  // namespace dart
