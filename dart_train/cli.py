@@ -20,6 +20,7 @@ nothing is ever overwritten silently. The resolved config is written to `<run_di
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from pathlib import Path
@@ -236,6 +237,43 @@ def _wandb(cfg: DictConfig, run_dir: Path) -> Any:
     )
 
 
+_ALWAYS_NEW = ("resume", "output_dir")
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: node}
+
+
+def resumed_config(
+    cfg: DictConfig, saved: DictConfig, explicit: list[str] | None
+) -> tuple[DictConfig, list[str]]:
+    """The config a resumed run continues with, and the differences from the saved run (as text).
+
+    `dart-train output_dir=X resume=true` continues the run as it was configured (its saved
+    `config.yaml`), not with the defaults; keys named on this command line (`explicit`: override
+    keys like `trainer.max_steps`, or a group like `trainer`) are the deliberate changes and win.
+    `explicit=None` (a Python caller passing a whole cfg): every key of `cfg` wins.
+    """
+    new = _leaves(OmegaConf.to_container(cfg, resolve=True))
+    old = _leaves(OmegaConf.to_container(saved, resolve=True))
+    merged = copy.deepcopy(cfg)
+    changes: list[str] = []
+    for key, value in new.items():
+        if key in _ALWAYS_NEW or key not in old or old[key] == value:
+            continue
+        named = explicit is None or any(key == e or key.startswith(e + ".") for e in explicit)
+        if named:
+            changes.append(f"{key}: {old[key]!r} -> {value!r}")
+        else:
+            OmegaConf.update(merged, key, old[key], merge=False)
+    return merged, changes
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one training job from a resolved `train` config; returns the trainer's summary."""
     from hydra.core.hydra_config import HydraConfig
@@ -251,6 +289,18 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     else:
         raise RunDirError("set output_dir (no Hydra run directory available)")
     resuming = prepare_run_dir(run_dir, bool(cfg.resume))
+    saved = run_dir / "config.yaml"
+    if resuming and saved.is_file():
+        # Under the CLI only what this command line names may change; a Python caller's cfg is
+        # taken as a whole. Either way the differences from the saved run are logged.
+        explicit = (
+            # `group@package=option` changes the keys under `package`
+            [o.split("=", 1)[0].lstrip("+~").split("@")[-1] for o in HydraConfig.get().overrides.task]
+            if HydraConfig.initialized() else None
+        )
+        cfg, changes = resumed_config(cfg, OmegaConf.load(saved), explicit)
+        for change in changes:
+            log.warning("resume: %s", change)
     settings = settings_from_config(cfg)  # validate before the expensive loading
     init_distributed()
     rank = int(os.environ.get("RANK", "0"))

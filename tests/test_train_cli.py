@@ -109,9 +109,13 @@ def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversati
     assert "already holds a run" in again.stderr and "resume=true" in again.stderr
     assert (out / "metrics.jsonl").read_text() == before
 
-    # resume=true with a larger budget continues from step 3.
-    more = run_cli(overrides(tiny_checkpoint, conversations_file, out, "resume=true", "trainer.max_steps=5"), tmp_path)
+    # resume=true with a larger budget continues from step 3, configured as the saved run was: only
+    # what this command line names changes (no need to repeat the model, data, ... overrides).
+    more = run_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=5"], tmp_path)
     assert more.returncode == 0, more.stderr[-4000:]
+    assert "resume: trainer.max_steps: 3 -> 5" in more.stdout + more.stderr
+    resumed = OmegaConf.load(out / "config.yaml")
+    assert resumed.trainer.max_steps == 5 and resumed.model.name_or_path == str(tiny_checkpoint)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line) and "eval/tau" not in json.loads(line)]
     assert steps == [1, 2, 3, 4, 5]
@@ -132,6 +136,23 @@ def test_defaults_compose_with_paper_recipe() -> None:
     assert cfg.train_eval.tree.remain_total >= 1
     zero3 = _compose("trainer=zero3")
     assert zero3.trainer.zero_stage == 3 and zero3.trainer.bf16
+
+
+def test_resumed_config_keeps_the_saved_run_except_named_keys() -> None:
+    from dart_train.cli import resumed_config
+
+    saved = _compose("optim.lr=0.01", "trainer.max_steps=3", "trainer=zero2")
+    new = _compose("trainer.max_steps=5", "resume=true")
+    merged, changes = resumed_config(new, saved, ["trainer.max_steps", "resume"])
+    assert merged.optim.lr == 0.01 and merged.trainer.zero_stage == 2  # restored, not the defaults
+    assert merged.trainer.max_steps == 5 and changes == ["trainer.max_steps: 3 -> 5"]
+    assert new.optim.lr == 2e-5  # the caller's cfg is not modified
+    # A group named on the command line changes every key under it.
+    merged, changes = resumed_config(new, saved, ["trainer"])
+    assert merged.trainer.zero_stage == 0 and "trainer.zero_stage: 2 -> 0" in changes
+    # A Python caller's whole cfg wins; the differences are still reported.
+    merged, changes = resumed_config(new, saved, None)
+    assert merged.optim.lr == 2e-5 and "optim.lr: 0.01 -> 2e-05" in changes
 
 
 def test_unknown_keys_are_errors() -> None:
