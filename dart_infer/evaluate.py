@@ -336,28 +336,35 @@ def fit_tree(
     """Measure DART's speedup over AR on this machine for each tree setting; best first.
 
     A GPU verifies 60 nodes for about the cost of one; a CPU does not, so the tree that maximises
-    speedup depends on the hardware and has to be measured.
+    speedup depends on the hardware and has to be measured. Each setting is timed against AR runs
+    interleaved with its own, prompt by prompt, so drift of the machine's speed cancels in the ratio.
     """
+    for setting in grid:
+        TreeSearchSettings().with_overrides(setting)  # validates names and values before timing
     results = []
     # Warm-up: first calls pay one-time kernel and allocator set-up that would flatter the later ones.
     model.ar_generate(prompts[0], max_new_token_num=8)
     model.dart_generate(prompts[0], max_new_token_num=8)
-    ar_seconds = ar_tokens = 0
-    for ids in prompts:
-        _, stats = model.ar_generate(ids, max_new_token_num=max_new_tokens, return_stats=True)
-        ar_seconds += stats.wall_time
-        ar_tokens += stats.new_tokens
-    ar_rate = ar_tokens / ar_seconds
     for setting in grid:
-        TreeSearchSettings().with_overrides(setting)  # validates names and values before timing
-        seconds = tokens = steps = step_tokens = 0
-        for ids in prompts:
-            _, stats = model.dart_generate(ids, max_new_token_num=max_new_tokens, tree=setting, return_stats=True)
-            seconds += stats.wall_time
-            tokens += stats.new_tokens
-            steps += stats.steps
-            step_tokens += sum(stats.emitted)
-        rate = tokens / seconds
-        results.append({**setting, "tau": step_tokens / steps, "tokens_per_second": rate, "speedup_vs_ar": rate / ar_rate})
-        log.info("tree %s: τ %.2f, %.1f tok/s, %.2f× AR", setting, step_tokens / steps, rate, rate / ar_rate)
+        totals = {"ar_seconds": 0.0, "ar_tokens": 0, "seconds": 0.0, "tokens": 0, "steps": 0, "step_tokens": 0}
+        for i, ids in enumerate(prompts):
+            runs = ("ar", "dart") if i % 2 == 0 else ("dart", "ar")  # alternate which goes first
+            for run in runs:
+                if run == "ar":
+                    _, stats = model.ar_generate(ids, max_new_token_num=max_new_tokens, return_stats=True)
+                    totals["ar_seconds"] += stats.wall_time
+                    totals["ar_tokens"] += stats.new_tokens
+                else:
+                    _, stats = model.dart_generate(
+                        ids, max_new_token_num=max_new_tokens, tree=setting, return_stats=True
+                    )
+                    totals["seconds"] += stats.wall_time
+                    totals["tokens"] += stats.new_tokens
+                    totals["steps"] += stats.steps
+                    totals["step_tokens"] += sum(stats.emitted)
+        rate = totals["tokens"] / totals["seconds"]
+        speedup = rate / (totals["ar_tokens"] / totals["ar_seconds"])
+        tau = totals["step_tokens"] / totals["steps"]
+        results.append({**setting, "tau": tau, "tokens_per_second": rate, "speedup_vs_ar": speedup})
+        log.info("tree %s: τ %.2f, %.1f tok/s, %.2f× AR", setting, tau, rate, speedup)
     return sorted(results, key=lambda r: r["speedup_vs_ar"], reverse=True)
