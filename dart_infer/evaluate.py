@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,14 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
     if not ids:
         raise ValueError("empty prompt after tokenization")
     return torch.tensor(ids, dtype=torch.long)
+
+
+def first_turn(conversation: Conversation) -> list[dict[str, str]]:
+    """The messages of a conversation's first prompt: a leading system message, then the first user turn."""
+    user = next((m for m in conversation.messages if m["role"] == "user"), None)
+    if user is None:
+        raise ValueError(f"conversation {conversation.id!r} has no user turn to prompt with")
+    return [*(m for m in conversation.messages[:1] if m["role"] == "system"), user]
 
 
 class Evaluator:
@@ -346,25 +355,15 @@ def fit_tree(
     model.ar_generate(prompts[0], max_new_token_num=8)
     model.dart_generate(prompts[0], max_new_token_num=8)
     for setting in grid:
-        totals = {"ar_seconds": 0.0, "ar_tokens": 0, "seconds": 0.0, "tokens": 0, "steps": 0, "step_tokens": 0}
+        stats: dict[str, list[Any]] = {"ar": [], "dart": []}
         for i, ids in enumerate(prompts):
-            runs = ("ar", "dart") if i % 2 == 0 else ("dart", "ar")  # alternate which goes first
-            for run in runs:
-                if run == "ar":
-                    _, stats = model.ar_generate(ids, max_new_token_num=max_new_tokens, return_stats=True)
-                    totals["ar_seconds"] += stats.wall_time
-                    totals["ar_tokens"] += stats.new_tokens
-                else:
-                    _, stats = model.dart_generate(
-                        ids, max_new_token_num=max_new_tokens, tree=setting, return_stats=True
-                    )
-                    totals["seconds"] += stats.wall_time
-                    totals["tokens"] += stats.new_tokens
-                    totals["steps"] += stats.steps
-                    totals["step_tokens"] += sum(stats.emitted)
-        rate = totals["tokens"] / totals["seconds"]
-        speedup = rate / (totals["ar_tokens"] / totals["ar_seconds"])
-        tau = totals["step_tokens"] / totals["steps"]
+            for kind in ("ar", "dart") if i % 2 == 0 else ("dart", "ar"):  # alternate which goes first
+                generate = model.ar_generate if kind == "ar" else partial(model.dart_generate, tree=setting)
+                stats[kind].append(generate(ids, max_new_token_num=max_new_tokens, return_stats=True)[1])
+        ar, dart = stats["ar"], stats["dart"]
+        rate = sum(s.new_tokens for s in dart) / sum(s.wall_time for s in dart)
+        speedup = rate / (sum(s.new_tokens for s in ar) / sum(s.wall_time for s in ar))
+        tau = sum(sum(s.emitted) for s in dart) / sum(s.steps for s in dart)
         results.append({**setting, "tau": tau, "tokens_per_second": rate, "speedup_vs_ar": speedup})
         log.info("tree %s: τ %.2f, %.1f tok/s, %.2f× AR", setting, tau, rate, speedup)
     return sorted(results, key=lambda r: r["speedup_vs_ar"], reverse=True)

@@ -62,6 +62,7 @@ def _weights(weights: Sequence[float] | torch.Tensor | np.ndarray | None) -> Any
 # Stands in for a missing EOS id: candidate ids are vocabulary ids, so this one never matches.
 _NO_EOS = 2**31 - 1
 
+
 def tree_search(
     topk_tokens: torch.Tensor | np.ndarray,
     topk_probs: torch.Tensor | np.ndarray,

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from dart_infer.cli import configs_dir
 from dart_infer.conversations import load_conversations
-from dart_infer.evaluate import chat_prompt
+from dart_infer.evaluate import chat_prompt, first_turn
 from dart_infer.generate import DartModel
 from dart_train.data import build_dataset
 from dart_train.evaluate import SimulatedTau
@@ -60,8 +60,7 @@ def main() -> None:
     emitted: list[int] = []
     answers = []
     for index, conversation in enumerate(conversations):
-        first_user = next(i for i, m in enumerate(conversation.messages) if m["role"] == "user")
-        prompt = chat_prompt(tokenizer, conversation.messages[: first_user + 1])
+        prompt = chat_prompt(tokenizer, first_turn(conversation))
         output, stats = model.dart_generate(prompt, max_new_token_num=args.max_new_tokens, return_stats=True)
         emitted += stats.emitted
         answer = output.reshape(-1)[prompt.numel():].cpu()

@@ -69,11 +69,11 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
 
 
 def run_fit_tree(cfg: DictConfig) -> Path:
-    from dart_infer.evaluate import chat_prompt, fit_tree
+    from dart_infer.evaluate import chat_prompt, first_turn, fit_tree
 
     conversations = benchmark_conversations(cfg.benchmarks[0], cfg.fit.prompts)
     model = load_model(cfg)
-    prompts = [chat_prompt(model.tokenizer, c.messages[:1]) for c in conversations]
+    prompts = [chat_prompt(model.tokenizer, first_turn(c)) for c in conversations]
     keys = list(cfg.fit.grid)
     grid = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(cfg.fit.grid[k] for k in keys))]
     results = fit_tree(model, prompts, grid, cfg.fit.max_new_tokens)
