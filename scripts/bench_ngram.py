@@ -7,6 +7,7 @@ throughput and peak RSS (counting from token ids, in a child process), tokenizat
     python scripts/bench_ngram.py [--out runs/bench_ngram] [--limit N] [--reuse-ids]
     python scripts/bench_ngram.py --query-only [--trie runs/ngram/sharegpt/full.ngt]  # queries only
     python scripts/bench_ngram.py --query-only --baseline-so OLD/_core.cpython-*.so  # + an older build
+    python scripts/bench_ngram.py --query-only --breakdown  # where a query's time goes
 
 With --baseline-so, an older build of ngram_builder._core (a copy of its .so) answers the same
 queries in the same process, interleaved with this build, so that a shared machine's load affects
@@ -175,7 +176,12 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
     py_us = (time.perf_counter() - t0) / 5000 * 1e6
     py_cpu_us = (time.process_time() - c0) / 5000 * 1e6
     p, m = trie.probability_batch(ctx, cand)
-    out = {"single_us": single_ns / 1000, "single_cpu_us": single_cpu_ns / 1000,
+    # The memory system the queries ran on (DRAM latency varies 2x between machines), so a query's
+    # time can be read in units of dependent cache misses.
+    from ngram_builder import _core
+
+    dram_dep_ns, dram_ind_ns = _core.bench_memory(256.0)
+    out = {"dram_dependent_ns": dram_dep_ns, "dram_independent_ns": dram_ind_ns,"single_us": single_ns / 1000, "single_cpu_us": single_cpu_ns / 1000,
            "batched_cpp_us": min(r[0] for r in batched) / 1000, "batched_cpp_cpu_us": min(r[1] for r in batched) / 1000,
            "batch_us": min(batch_wall), "batch_cpu_us": min(batch_cpu), "python_call_us": py_us,
            "python_call_cpu_us": py_cpu_us, "hit_rate_true_next": float((m[:, 0] > 0).mean()),
@@ -205,6 +211,43 @@ def query_only(out: Path, trie_path: Path, baseline_so: str | None, passes: int)
     print(f"single Python call: {q['python_call_us']:.3f} µs wall, {q['python_call_cpu_us']:.3f} µs CPU")
     print(f"true next token found: {q['hit_rate_true_next']:.3f}; checksums matched={q['matched_sum']} "
           f"probs={q['prob_sum']:.6f}")
+    print(memory_line(q))
+
+
+def memory_line(q: dict) -> str:
+    return (f"{q['dram_dependent_ns']:.0f} ns per dependent DRAM read (pointer chase, 256 MiB), "
+            f"{q['dram_independent_ns']:.1f} ns per independent read; a single query takes as long as "
+            f"{q['single_cpu_us'] * 1000 / q['dram_dependent_ns']:.1f} dependent reads")
+
+
+def query_breakdown(out: Path, trie_path: Path, passes: int) -> None:
+    """Where a query's time goes: the same queries with parts removed, timed interleaved in one
+    process (minimum over passes, thread CPU time). The 2-token part is the chain slot -> level-2
+    node -> level-3 run; the 1-token part is 25 independent hash or run lookups."""
+    from ngram_builder import _core
+
+    data = np.load(out / "ids.npz")
+    ctx, cand = query_set(data["flat"], data["offsets"])
+    trie = _core.Trie.load(str(trie_path))
+    uniform = cand.copy()
+    uniform[:, 1:] = np.random.default_rng(1).integers(0, trie.info()["vocab_size"], size=(len(cand), 24))
+    variants = {
+        "full query (2-token context, 25 candidates)": (ctx, cand, 2),
+        "2-token context, 1 candidate": (ctx, cand[:, :1], 2),
+        "1-token context, 25 candidates": (ctx[:, 1:], cand, 2),
+        "1-token context, 25 uniform candidates (mostly absent)": (ctx[:, 1:], uniform, 2),
+        "1-token context, 1 candidate": (ctx[:, 1:], cand[:, :1], 2),
+        "full query, 200 queries repeated (cache-resident)": (ctx[:200], cand[:200], 100),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(passes):
+        for name, (c, k, repeats) in variants.items():
+            c, k = np.ascontiguousarray(c), np.ascontiguousarray(k)
+            times[name].append(trie.bench_queries(c, k, repeats)[1] / 1000)
+    dep_ns, ind_ns = _core.bench_memory(256.0)
+    print(f"trie {trie_path}; {dep_ns:.0f} ns per dependent DRAM read, {ind_ns:.1f} ns per independent read")
+    for name, t in times.items():
+        print(f"{name:58s} {min(t):.3f} µs CPU")
 
 
 def load_bench(path: Path, repeats: int = 20) -> float:
@@ -235,8 +278,13 @@ def main() -> None:
     ap.add_argument("--baseline-so", default=None,
                     help="with --query-only: also time this copy of an older _core build (same process)")
     ap.add_argument("--passes", type=int, default=5, help="with --query-only: timed passes (minimum reported)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="with --query-only: time the query with parts removed (where the time goes)")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.query_only and args.breakdown:
+        query_breakdown(out, Path(args.trie), args.passes)
+        return
     if args.query_only:
         query_only(out, Path(args.trie), args.baseline_so, args.passes)
         return
@@ -283,6 +331,7 @@ def main() -> None:
          f"{q['batched_cpp_cpu_us']:.2f} µs CPU per query in one C++ batch call; "
          f"{q['batch_us']:.2f} µs wall / {q['batch_cpu_us']:.2f} µs CPU per query batched from Python; "
          f"{q['python_call_us']:.1f} µs single Python call"),
+        ("memory system (this machine)", "-", memory_line(q)),
         ("build (ids -> trie file)", f"{ANCHOR['build_tok_s'] / 1e6:.1f} M tok/s, peak {ANCHOR['build_peak_mb']:.0f} MB",
          f"{tok_s / 1e6:.2f} M tok/s ({mem['total_s']:.1f} s wall, {mem['cpu_s']:.1f} s CPU, {args.threads} threads), "
          f"peak RSS {mem['peak_mb']:.0f} MB (incl. ids {mem['ids_mb']:.0f} MB + interpreter/numpy {mem['input_mb']:.0f} MB)"),

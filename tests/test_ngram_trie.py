@@ -372,3 +372,16 @@ def test_large_batches_split_over_threads_agree(golden_built: NgramTrie) -> None
         p, m = golden_built.probability(ctx[i].tolist(), cand[i].tolist())
         assert list(matched[i]) == m
         np.testing.assert_array_equal(probs[i], np.float32(p))
+
+
+def test_benchmark_helpers_measure_and_reject_bad_arguments(golden_built: NgramTrie) -> None:
+    # The query and memory timers behind scripts/bench_ngram.py: real, positive measurements.
+    ctx = np.array([[1, 2], [3, 4]], dtype=np.int32)
+    cand = np.arange(50, dtype=np.int32).reshape(2, 25)
+    wall_ns, cpu_ns = golden_built._t.bench_queries(ctx, cand, 2)
+    assert wall_ns > 0 and cpu_ns > 0
+    dependent_ns, independent_ns = _core.bench_memory(4.0, 20_000)
+    assert dependent_ns > 0 and independent_ns > 0
+    for bad in ({"mb": 0.5}, {"mb": 1e6}, {"reads": 0}):
+        with pytest.raises(ValueError, match="mb|reads"):
+            _core.bench_memory(**bad)

@@ -516,6 +516,46 @@ class PyCounter {
 
 }  // namespace
 
+// The memory system a query runs on, measured like the benchmark's queries are: random 64-byte
+// lines of a buffer of `mb` MiB (larger than the caches, as the tries are). Returns (ns per
+// dependent read: a pointer chase, the latency one query step waits for; ns per independent read:
+// 25-wide bursts like a query's candidates, the throughput bound). The GIL is released.
+static py::tuple bench_memory(double mb, uint64_t reads) {
+  if (!(mb >= 1 && mb <= 4096)) throw py::value_error("mb must be in [1, 4096]");
+  if (reads == 0) throw py::value_error("reads must be positive");
+  const size_t lines = static_cast<size_t>(mb * 1024 * 1024 / 64);
+  std::vector<uint64_t> buf(lines * 8);
+  double dep_ns, ind_ns;
+  uint64_t sink = 0;
+  {
+    py::gil_scoped_release nogil;
+    // One random cycle through all lines (Sattolo's shuffle), so the chase cannot be predicted.
+    std::vector<uint32_t> order(lines);
+    for (size_t i = 0; i < lines; ++i) order[i] = static_cast<uint32_t>(i);
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    auto next = [&x] {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      return x;
+    };
+    for (size_t i = lines - 1; i > 0; --i) std::swap(order[i], order[next() % i]);
+    for (size_t i = 0; i < lines; ++i) buf[static_cast<size_t>(order[i]) * 8] = static_cast<uint64_t>(order[(i + 1) % lines]) * 8;
+    uint64_t p = static_cast<uint64_t>(order[0]) * 8;
+    auto t0 = std::chrono::steady_clock::now();
+    for (uint64_t r = 0; r < reads; ++r) p = buf[p];
+    dep_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / reads;
+    sink += p;
+    std::vector<uint64_t> at(reads);
+    for (auto& a : at) a = (next() % lines) * 8;
+    t0 = std::chrono::steady_clock::now();
+    for (uint64_t r = 0; r < reads; ++r) sink += buf[at[r]];
+    ind_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / reads;
+  }
+  if (sink == 42) py::print("");  // keeps the reads
+  return py::make_tuple(dep_ns, ind_ns);
+}
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "C++ core of ngram_builder: n-gram trie build, prune, merge, formats and queries";
   static py::exception<FormatError> format_error(m, "NgramFormatError", PyExc_ValueError);
@@ -528,6 +568,7 @@ PYBIND11_MODULE(_core, m) {
       py::set_error(PyExc_OSError, e.what());
     }
   });
+  m.def("bench_memory", &bench_memory, py::arg("mb") = 256.0, py::arg("reads") = 2000000);
   m.attr("FORMAT_VERSION") = kVersion;
   m.attr("MAX_ORDER") = kMaxOrder;
   m.attr("FINGERPRINT_MAX_BYTES") = kFingerprintMax;
