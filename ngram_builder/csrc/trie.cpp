@@ -540,13 +540,14 @@ constexpr uint32_t kNoKey = UINT32_MAX;  // a candidate outside the vocabulary: 
 
 // Prefetches the elements [s, e) of an array of `width`-byte values when they span at most
 // `max_lines` cache lines (a query is bound by how many lines it touches, so larger runs are read
-// on demand).
-inline void prefetch_small(const uint8_t* base, uint64_t s, uint64_t e, uint32_t width, uint64_t max_lines) {
-  if (s >= e) return;
+// on demand). Returns whether the whole range was requested.
+inline bool prefetch_small(const uint8_t* base, uint64_t s, uint64_t e, uint32_t width, uint64_t max_lines) {
+  if (s >= e) return true;
   const uintptr_t lo = reinterpret_cast<uintptr_t>(base + s * width) & ~uintptr_t{63};
   const uintptr_t hi = reinterpret_cast<uintptr_t>(base + e * width);
-  if (hi - lo > max_lines * 64) return;
+  if (hi - lo > max_lines * 64) return false;
   for (uintptr_t q = lo; q < hi; q += 64) __builtin_prefetch(reinterpret_cast<const void*>(q));
+  return true;
 }
 
 // Prefetches what a search of elements [s, e) (each `width` bytes) will read: all of it when it
@@ -686,6 +687,8 @@ struct TrieView::Query {
   bool ok = true;
   bool zeroed = false;  // outputs zeroed early (contexts longer than 2 tokens write them first)
   bool two = false, hash1 = false, hashb = false;
+  // The counts of the whole child run were requested with its tokens: no per-match requests.
+  bool counts1_requested = false, counts2_requested = false;
   uint32_t a = 0, b = 0;  // last and second-to-last context token
   uint64_t slot_ctx = 0;
   uint64_t s1 = 0, e1 = 0, sb = 0, eb = 0, s2 = 0, e2 = 0;
@@ -729,6 +732,7 @@ void TrieView::stage_issue(Query& q) const {
   q.zeroed = false;
   q.ok = true;
   q.active = false;
+  q.counts1_requested = false;
   if (q.len == 0 || q.n == 0) return;
   const uint64_t V = hdr_.vocab_size;
   // Every context is a path ending in the last token: if that is not a unigram, nothing matches.
@@ -747,9 +751,11 @@ void TrieView::stage_issue(Query& q) const {
     __builtin_prefetch(&uni_[q.b]);
   }
   __builtin_prefetch(&uni_[q.a]);
+  // A negative id becomes >= 2^31 >= V as unsigned: one compare rejects both kinds.
+  const uint32_t v32 = static_cast<uint32_t>(V);
   for (size_t i = 0; i < q.n; ++i) {
-    const int32_t t = q.tokens[i];
-    q.key[i] = t >= 0 && static_cast<uint64_t>(t) < V ? static_cast<uint32_t>(t) : kNoKey;
+    const uint32_t t = static_cast<uint32_t>(q.tokens[i]);
+    q.key[i] = t < v32 ? t : kNoKey;
   }
   // Short child runs are then requested whole, long ones through the hash.
   const Unigram ua = uni_[q.a];
@@ -775,7 +781,7 @@ void TrieView::stage_issue(Query& q) const {
     // The counts of the matches are requested once they are known (stage_search), unless the
     // whole run's counts are only a few lines.
     prefetch_search(L2.tokens, q.s1, q.e1, tb);
-    prefetch_small(L2.counts, q.s1, q.e1, L2.count_bytes, 2);
+    q.counts1_requested = prefetch_small(L2.counts, q.s1, q.e1, L2.count_bytes, 2);
   }
 }
 
@@ -827,6 +833,7 @@ void TrieView::stage_children(Query& q) const {
   const LevelView& L2 = lv_[2];
   q.s2 = q.e2 = 0;
   q.inv2 = 0.0f;
+  q.counts2_requested = false;
   if (q.eb > q.sb) {
     uint64_t node = kNone;
     if (q.hashb)
@@ -839,7 +846,7 @@ void TrieView::stage_children(Query& q) const {
       q.e2 = child_at(L2, node + 1);
       if (q.s2 > q.e2 || q.e2 > L3.n) q.ok = false, q.s2 = q.e2 = 0;
       prefetch_search(L3.tokens, q.s2, q.e2, tb);
-      prefetch_small(L3.counts, q.s2, q.e2, L3.count_bytes, 4);
+      q.counts2_requested = prefetch_small(L3.counts, q.s2, q.e2, L3.count_bytes, 4);
       const uint64_t c = count_checked(2, node, q.ok);
       // Same float arithmetic as the original (count * (1/ctx_count)), bit for bit. A zero
       // context count (possible only after pruning) gives 0 instead of the original's NaN.
@@ -890,14 +897,16 @@ void TrieView::stage_search(Query& q) const {
                                       lv_[2].tokens);
     } else {
       search_keys<TT>(lv_[2].tokens, q.s1, q.e1, q.key, q.n, q.found1);
-      for (size_t i = 0; i < q.n; ++i)
-        if (q.found1[i] != kNone) __builtin_prefetch(lv_[2].counts + q.found1[i] * lv_[2].count_bytes);
+      if (!q.counts1_requested)
+        for (size_t i = 0; i < q.n; ++i)
+          if (q.found1[i] != kNone) __builtin_prefetch(lv_[2].counts + q.found1[i] * lv_[2].count_bytes);
     }
   }
   const LevelView& L3 = lv_[3];
   search_keys<TT>(L3.tokens, q.s2, q.e2, q.key, q.n, q.found2);
-  for (size_t i = 0; i < q.n; ++i)
-    if (q.found2[i] != kNone) __builtin_prefetch(L3.counts + q.found2[i] * L3.count_bytes);
+  if (!q.counts2_requested)
+    for (size_t i = 0; i < q.n; ++i)
+      if (q.found2[i] != kNone) __builtin_prefetch(L3.counts + q.found2[i] * L3.count_bytes);
 }
 
 // Stage 5: the answers, longest context first.
