@@ -189,6 +189,9 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
     if base_runs:
         out["baseline_single_us"] = min(r[0] for r in base_runs) / 1000
         out["baseline_single_cpu_us"] = min(r[1] for r in base_runs) / 1000
+        # Each pass times both builds back to back: the median of the per-pass ratios is robust to
+        # load that changes between passes.
+        out["single_ratio_to_baseline"] = statistics.median(r[1] / b[1] for r, b in zip(runs, base_runs, strict=True))
     if base_batched:
         out["baseline_batched_cpp_cpu_us"] = min(r[1] for r in base_batched) / 1000
     return out
@@ -205,7 +208,8 @@ def query_only(out: Path, trie_path: Path, baseline_so: str | None, passes: int)
     if "baseline_single_cpu_us" in q:
         extra = (f", batched {q['baseline_batched_cpp_cpu_us']:.3f} µs CPU"
                  if "baseline_batched_cpp_cpu_us" in q else "")
-        print(f"baseline build, same queries, interleaved: single {q['baseline_single_cpu_us']:.3f} µs CPU{extra}")
+        print(f"baseline build, same queries, interleaved: single {q['baseline_single_cpu_us']:.3f} µs CPU{extra}; "
+              f"this build / baseline, median of per-pass ratios: {q['single_ratio_to_baseline']:.3f}")
     print(f"batched from Python (numpy; threads for >= 2048 rows): {q['batch_us']:.3f} µs wall, "
           f"{q['batch_cpu_us']:.3f} µs CPU per query")
     print(f"single Python call: {q['python_call_us']:.3f} µs wall, {q['python_call_cpu_us']:.3f} µs CPU")
