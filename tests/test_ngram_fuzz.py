@@ -26,6 +26,21 @@ def _small_trie() -> NgramTrie:
     return t
 
 
+def _wide_trie() -> NgramTrie:
+    """Contexts with enough children for the query's hash paths: token 0 has 700 (its candidates
+    are looked up through the level-2 hash), token 5 has 100 (the 2-token contexts (5, x) are)."""
+    rng = random.Random(6)
+    t = NgramTrie(3, vocab_size=1000, tokenizer_fingerprint="fuzz")
+    for x in range(700):
+        t.add_tokens([0, x, (x * 7) % 1000])
+    for x in range(100):
+        t.add_tokens([5, x, 0, x])
+    for _ in range(20):
+        t.add_tokens([rng.randrange(1000) for _ in range(30)])
+    t.add_tokens([7] * 300)
+    return t
+
+
 def _mutate(raw: bytes, rng: random.Random) -> bytes:
     b = bytearray(raw)
     kind = rng.randrange(6)
@@ -56,10 +71,11 @@ def _mutate(raw: bytes, rng: random.Random) -> bytes:
 
 def _exercise(trie: NgramTrie, tmp: Path) -> None:
     """Use a trie that loaded: queries, walks, merge, prune, re-export must be clean."""
-    ctx = np.array([[1, 2], [7, 7], [3, 0], [39, 38]])
-    cand = np.tile(np.arange(40), (4, 1))
+    ctx = np.array([[1, 2], [7, 7], [3, 0], [39, 38], [0, 5], [5, 0]])
+    cand = np.tile(np.arange(0, 350, 7), (6, 1))
     try:
         trie.probability_batch(ctx, cand)
+        trie.probability_batch(ctx, cand[:, :25])
         trie.probability([7, 7], list(range(50)))
         trie.top_continuations([7], 5)
         trie.top_continuations([], 5)
@@ -74,10 +90,11 @@ def _exercise(trie: NgramTrie, tmp: Path) -> None:
         pass
 
 
+@pytest.mark.parametrize("shape", ["small", "wide"])
 @pytest.mark.parametrize("fmt", ["compact", "dart"])
-def test_mutated_files_never_crash(fmt: str, tmp_path: Path) -> None:
+def test_mutated_files_never_crash(fmt: str, shape: str, tmp_path: Path) -> None:
     src = tmp_path / ("t.ngt" if fmt == "compact" else "t.trie")
-    trie = _small_trie()
+    trie = _small_trie() if shape == "small" else _wide_trie()
     if fmt == "compact":
         trie.save(src)
     else:
