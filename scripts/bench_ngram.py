@@ -181,7 +181,8 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
     from ngram_builder import _core
 
     dram_dep_ns, dram_ind_ns = _core.bench_memory(256.0)
-    out = {"dram_dependent_ns": dram_dep_ns, "dram_independent_ns": dram_ind_ns,"single_us": single_ns / 1000, "single_cpu_us": single_cpu_ns / 1000,
+    out = {"dram_dependent_ns": dram_dep_ns, "dram_independent_ns": dram_ind_ns,
+           "single_us": single_ns / 1000, "single_cpu_us": single_cpu_ns / 1000,
            "batched_cpp_us": min(r[0] for r in batched) / 1000, "batched_cpp_cpu_us": min(r[1] for r in batched) / 1000,
            "batch_us": min(batch_wall), "batch_cpu_us": min(batch_cpu), "python_call_us": py_us,
            "python_call_cpu_us": py_cpu_us, "hit_rate_true_next": float((m[:, 0] > 0).mean()),

@@ -382,6 +382,6 @@ def test_benchmark_helpers_measure_and_reject_bad_arguments(golden_built: NgramT
     assert wall_ns > 0 and cpu_ns > 0
     dependent_ns, independent_ns = _core.bench_memory(4.0, 20_000)
     assert dependent_ns > 0 and independent_ns > 0
-    for bad in ({"mb": 0.5}, {"mb": 1e6}, {"reads": 0}):
+    for bad in ({"mb": 0.5}, {"mb": 1e6}, {"reads": 0}, {"reads": 10**9}):
         with pytest.raises(ValueError, match="mb|reads"):
             _core.bench_memory(**bad)

@@ -519,10 +519,11 @@ class PyCounter {
 // The memory system a query runs on, measured like the benchmark's queries are: random 64-byte
 // lines of a buffer of `mb` MiB (larger than the caches, as the tries are). Returns (ns per
 // dependent read: a pointer chase, the latency one query step waits for; ns per independent read:
-// 25-wide bursts like a query's candidates, the throughput bound). The GIL is released.
+// as many in flight as the core allows, like a query's candidates, the throughput bound). The GIL
+// is released.
 static py::tuple bench_memory(double mb, uint64_t reads) {
   if (!(mb >= 1 && mb <= 4096)) throw py::value_error("mb must be in [1, 4096]");
-  if (reads == 0) throw py::value_error("reads must be positive");
+  if (reads == 0 || reads > 100000000) throw py::value_error("reads must be in [1, 100000000]");
   const size_t lines = static_cast<size_t>(mb * 1024 * 1024 / 64);
   std::vector<uint64_t> buf(lines * 8);
   double dep_ns, ind_ns;
@@ -552,7 +553,8 @@ static py::tuple bench_memory(double mb, uint64_t reads) {
     for (uint64_t r = 0; r < reads; ++r) sink += buf[at[r]];
     ind_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / reads;
   }
-  if (sink == 42) py::print("");  // keeps the reads
+  volatile uint64_t keep = sink;  // the reads have a use: not optimized away
+  (void)keep;
   return py::make_tuple(dep_ns, ind_ns);
 }
 
