@@ -81,6 +81,26 @@ inline uint64_t read_uint(const uint8_t* p, uint32_t width, uint64_t i) {
 }
 inline uint64_t sentinel(uint32_t width) { return width >= 8 ? UINT64_MAX : ((1ull << (8 * width)) - 1); }
 
+// Level-2 node with token `tok` among [s, e) from hash slot `i` (UINT64_MAX: none), for level-2
+// tokens of type TT. Range first: entries of other parents are rejected without touching the
+// token array.
+template <class TT>
+inline uint64_t probe_slots(const uint8_t* hash, uint64_t slots, uint64_t max_probe, uint64_t i, uint32_t tok,
+                            uint64_t s, uint64_t e, const uint8_t* tokens) {
+  for (uint64_t probe = 0; probe < max_probe; ++probe) {
+    uint32_t j;
+    std::memcpy(&j, hash + i * 4, 4);
+    if (j == kHashEmpty) return UINT64_MAX;
+    if (j >= s && j < e) {
+      TT v;
+      std::memcpy(&v, tokens + static_cast<uint64_t>(j) * sizeof(TT), sizeof(TT));
+      if (v == tok) return j;
+    }
+    if (++i == slots) i = 0;
+  }
+  return UINT64_MAX;
+}
+
 template <class TT>
 inline bool search_tokens(const uint8_t* base, uint64_t s, uint64_t e, uint32_t tok, uint64_t& out) {
   const TT* a = reinterpret_cast<const TT*>(base);
@@ -335,15 +355,16 @@ uint64_t TrieView::count_checked(int k, uint64_t i, bool& ok) const {
 }
 
 uint64_t TrieView::hash_probe(uint64_t i, uint32_t tok, uint64_t s, uint64_t e) const {
-  for (uint64_t probe = 0; probe < hash_max_probe_; ++probe) {
-    uint32_t j;
-    std::memcpy(&j, hash_ + i * 4, 4);
-    if (j == kHashEmpty) return UINT64_MAX;
-    // Range first: entries of other parents are rejected without touching the token array.
-    if (j >= s && j < e && token_at(lv_[2], j) == tok) return j;
-    if (++i == hash_slots_) i = 0;
-  }
-  return UINT64_MAX;
+  return hdr_.token_bytes == 2
+             ? probe_slots<uint16_t>(hash_, hash_slots_, hash_max_probe_, i, tok, s, e, lv_[2].tokens)
+             : probe_slots<uint32_t>(hash_, hash_slots_, hash_max_probe_, i, tok, s, e, lv_[2].tokens);
+}
+
+// count_checked with the common case, a narrow count below its escape value, read inline.
+inline uint64_t TrieView::count_fast(int k, uint64_t i, bool& ok) const {
+  const LevelView& L = lv_[k];
+  const uint64_t c = read_uint(L.counts, L.count_bytes, i);
+  return L.count_bytes < 8 && c == sentinel(L.count_bytes) ? count_checked(k, i, ok) : c;
 }
 
 // Child ranges below this size are searched directly (a few cache lines), larger ones hashed.
@@ -651,24 +672,6 @@ inline void search_keys(const uint8_t* base, uint64_t s, uint64_t e, const uint3
   search_lockstep<TT>(base, s, e, keys, n, out);
 }
 
-// Level-2 node with token `tok` among [s, e) from hash slot `i` (TrieView::hash_probe, with the
-// token width fixed at compile time).
-template <class TT>
-inline uint64_t probe_slots(const uint8_t* hash, uint64_t slots, uint64_t max_probe, uint64_t i, uint32_t tok,
-                            uint64_t s, uint64_t e, const uint8_t* tokens) {
-  for (uint64_t probe = 0; probe < max_probe; ++probe) {
-    uint32_t j;
-    std::memcpy(&j, hash + i * 4, 4);
-    if (j == kHashEmpty) return kNone;
-    if (j >= s && j < e) {
-      TT v;
-      std::memcpy(&v, tokens + static_cast<uint64_t>(j) * sizeof(TT), sizeof(TT));
-      if (v == tok) return j;
-    }
-    if (++i == slots) i = 0;
-  }
-  return kNone;
-}
 }  // namespace
 
 // One query of a batch: one row's context and at most kBlock of its candidates, with what each
@@ -789,38 +792,28 @@ void TrieView::stage_issue(Query& q) const {
 // context's node, and each candidate's under the 1-token context).
 void TrieView::stage_context(Query& q) const {
   if (!q.active) return;
+  if (q.hashb) prefetch_candidates(q.slot_ctx, q.sb, q.eb, true);
+  if (q.reuse1 || !q.hash1) return;
+  for (size_t c = 0; c < q.n; ++c) prefetch_candidates(q.slot[c], q.s1, q.e1, false);
+}
+
+// Every entry of the probe sequence from slot `i` that is a child of the right parent ([s, e)) is
+// a possible match (half the slots are full, so the match is often not the first; the first empty
+// slot ends it): request its token and count, and its child offsets when `with_children`.
+void TrieView::prefetch_candidates(uint64_t i, uint64_t s, uint64_t e, bool with_children) const {
   const LevelView& L2 = lv_[2];
   const uint32_t tb = hdr_.token_bytes;
-  // Every entry of the probe sequence that is a child of the right parent is a possible match
-  // (half the slots are full, so the match is often not the first); the first empty slot ends it.
   const uint64_t max_probe = std::min(hash_max_probe_, kPrefetchProbes);
-  if (q.hashb) {
-    uint64_t i = q.slot_ctx;
-    for (uint64_t probe = 0; probe < max_probe; ++probe) {
-      uint32_t v;
-      std::memcpy(&v, hash_ + i * 4, 4);
-      if (v == kHashEmpty) break;
-      if (v >= q.sb && v < q.eb) {
-        __builtin_prefetch(L2.tokens + static_cast<uint64_t>(v) * tb);
-        __builtin_prefetch(L2.child + static_cast<uint64_t>(v) * L2.child_bytes);
-        __builtin_prefetch(L2.counts + static_cast<uint64_t>(v) * L2.count_bytes);
-      }
-      if (++i == hash_slots_) i = 0;
+  for (uint64_t probe = 0; probe < max_probe; ++probe) {
+    uint32_t v;
+    std::memcpy(&v, hash_ + i * 4, 4);
+    if (v == kHashEmpty) break;
+    if (v >= s && v < e) {
+      __builtin_prefetch(L2.tokens + static_cast<uint64_t>(v) * tb);
+      __builtin_prefetch(L2.counts + static_cast<uint64_t>(v) * L2.count_bytes);
+      if (with_children) __builtin_prefetch(L2.child + static_cast<uint64_t>(v) * L2.child_bytes);
     }
-  }
-  if (q.reuse1 || !q.hash1) return;
-  for (size_t c = 0; c < q.n; ++c) {
-    uint64_t i = q.slot[c];
-    for (uint64_t probe = 0; probe < max_probe; ++probe) {
-      uint32_t v;
-      std::memcpy(&v, hash_ + i * 4, 4);
-      if (v == kHashEmpty) break;
-      if (v >= q.s1 && v < q.e1) {
-        __builtin_prefetch(L2.tokens + static_cast<uint64_t>(v) * tb);
-        __builtin_prefetch(L2.counts + static_cast<uint64_t>(v) * L2.count_bytes);
-      }
-      if (++i == hash_slots_) i = 0;
-    }
+    if (++i == hash_slots_) i = 0;
   }
 }
 
@@ -918,16 +911,12 @@ void TrieView::stage_finish(Query& q, Level1Cache& cache) const {
     }
     return;
   }
-  const LevelView& L2 = lv_[2];
-  const LevelView& L3 = lv_[3];
-  // Narrow counts below their escape value are the common case: read them inline.
   if (q.cache1) {
     for (size_t i = 0; i < q.n; ++i) {
       cache.state[i] = 0;
       if (q.found1[i] == kNone) continue;
       bool count_ok = true;
-      uint64_t c = read_uint(L2.counts, L2.count_bytes, q.found1[i]);
-      if (L2.count_bytes < 8 && c == sentinel(L2.count_bytes)) c = count_checked(2, q.found1[i], count_ok);
+      const uint64_t c = count_fast(2, q.found1[i], count_ok);
       cache.prob[i] = static_cast<float>(c) * q.inv1;
       cache.state[i] = count_ok ? 1 : 2;
     }
@@ -937,10 +926,8 @@ void TrieView::stage_finish(Query& q, Level1Cache& cache) const {
     q.probs[i] = 0.0f;
     q.matched[i] = 0;
     if (q.found2[i] != kNone) {
-      uint64_t c = read_uint(L3.counts, L3.count_bytes, q.found2[i]);
-      if (L3.count_bytes < 8 && c == sentinel(L3.count_bytes)) c = count_checked(3, q.found2[i], q.ok);
       // Same float arithmetic as the original (count * (1/ctx_count)), bit for bit.
-      q.probs[i] = static_cast<float>(c) * q.inv2;
+      q.probs[i] = static_cast<float>(count_fast(3, q.found2[i], q.ok)) * q.inv2;
       q.matched[i] = 2;
     } else if (q.reuse1 || q.cache1) {
       // Only a count this query uses may flag corruption, as in a query of its own.
@@ -949,9 +936,7 @@ void TrieView::stage_finish(Query& q, Level1Cache& cache) const {
       q.probs[i] = cache.prob[i];
       q.matched[i] = 1;
     } else if (q.found1[i] != kNone) {
-      uint64_t c = read_uint(L2.counts, L2.count_bytes, q.found1[i]);
-      if (L2.count_bytes < 8 && c == sentinel(L2.count_bytes)) c = count_checked(2, q.found1[i], q.ok);
-      q.probs[i] = static_cast<float>(c) * q.inv1;
+      q.probs[i] = static_cast<float>(count_fast(2, q.found1[i], q.ok)) * q.inv1;
       q.matched[i] = 1;
     }
   }

@@ -102,6 +102,7 @@ class TrieView : public dart::NgramQuery {
   template <class TT>
   void stage_issue(Query& q) const;
   void stage_context(Query& q) const;
+  void prefetch_candidates(uint64_t slot, uint64_t s, uint64_t e, bool with_children) const;
   template <class TT>
   void stage_children(Query& q) const;
   template <class TT>
@@ -114,6 +115,8 @@ class TrieView : public dart::NgramQuery {
   }
   // Probe sequence from slot `i` (the slot of (parent, tok)).
   uint64_t hash_probe(uint64_t i, uint32_t tok, uint64_t s, uint64_t e) const;
+  // count_checked with the common case read inline (defined and used in trie.cpp only).
+  inline uint64_t count_fast(int k, uint64_t i, bool& ok) const;
   uint64_t child_at(const LevelView& L, uint64_t i) const {
     if (L.child_bytes == 4) {
       uint32_t v;
