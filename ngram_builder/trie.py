@@ -178,24 +178,32 @@ class NgramTrie:
         self._t.save(_writable_target(path, overwrite))
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, verify: bool = False, vocab_size: int | None = None,
-             tokenizer_fingerprint: str | None = None) -> NgramTrie:
+    def load(cls, path: str | os.PathLike[str], *, verify: bool = False, huge_pages: bool = False,
+             vocab_size: int | None = None, tokenizer_fingerprint: str | None = None) -> NgramTrie:
         """Memory-map a compact trie. Header and section table are always checked; `verify=True`
         also checks the payload checksum and every node. `vocab_size` / `tokenizer_fingerprint`
-        (of the model it will be used with) raise `NgramMismatchError` when they disagree."""
-        trie = cls._wrap(_core.Trie.load(_readable_file(path), bool(verify)))
+        (of the model it will be used with) raise `NgramMismatchError` when they disagree.
+
+        `huge_pages=True` reads the file into 2 MB transparent huge pages instead of mapping it:
+        queries get faster (fewer TLB misses; ~6% on ShareGPT) for a copy on load (~15 ms per
+        56 MB) and private memory instead of the shared page cache. Needs transparent huge pages
+        set to `madvise` or `always` (/sys/kernel/mm/transparent_hugepage/enabled); otherwise it
+        is a plain copy."""
+        trie = cls._wrap(_core.Trie.load(_readable_file(path), bool(verify), bool(huge_pages)))
         trie.check_compatible(vocab_size=vocab_size, tokenizer_fingerprint=tokenizer_fingerprint)
         return trie
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, verify: bool = False, vocab_size: int | None = None,
-             tokenizer_fingerprint: str | None = None) -> NgramTrie:
-        """Load either format, told apart by the compact format's magic bytes."""
+    def open(cls, path: str | os.PathLike[str], *, verify: bool = False, huge_pages: bool = False,
+             vocab_size: int | None = None, tokenizer_fingerprint: str | None = None) -> NgramTrie:
+        """Load either format, told apart by the compact format's magic bytes (`huge_pages`: see
+        `load`; the original format is always read into memory)."""
         src = _readable_file(path)
         with open(src, "rb") as f:
             magic = f.read(len(COMPACT_MAGIC))
         if magic == COMPACT_MAGIC:
-            return cls.load(src, verify=verify, vocab_size=vocab_size, tokenizer_fingerprint=tokenizer_fingerprint)
+            return cls.load(src, verify=verify, huge_pages=huge_pages, vocab_size=vocab_size,
+                            tokenizer_fingerprint=tokenizer_fingerprint)
         trie = cls.load_dart(src, vocab_size=vocab_size)
         trie.check_compatible(vocab_size=vocab_size)
         return trie

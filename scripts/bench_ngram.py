@@ -136,33 +136,47 @@ def load_core(so_path: str):
     return module
 
 
+def anon_huge_bytes() -> int:
+    """Bytes of this process's anonymous memory in transparent huge pages (0 where unknown)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_000,
                 baseline_so: str | None = None, passes: int = 5) -> dict:
+    """Single and batched query times of the trie memory-mapped (the default load) and read into
+    huge pages (`huge_pages=True`), and of an older build when given: all timed interleaved in each
+    pass, so load on the shared machine affects them alike. Keys: single/batched (mmap), *_hp
+    (huge pages), baseline_* and the medians of the per-pass ratios."""
     from ngram_builder import NgramTrie
 
     trie = NgramTrie.load(path)
+    huge_before = anon_huge_bytes()
+    trie_hp = NgramTrie.load(path, huge_pages=True)
+    huge_granted = (anon_huge_bytes() - huge_before) / path.stat().st_size
     ctx, cand = query_set(flat, offsets, n)
     # Each pass walks 20k random contexts over a trie larger than the caches, so misses dominate;
     # the minimum over passes drops passes disturbed by other jobs on the shared machine.
     # Single: one probability() call per query in a C++ loop; batched: one probability_batch()
     # call for all of them (one thread), both measured in C++.
-    runs, batched = [], []
-    base_runs, base_batched = [], []
-    base = load_core(baseline_so).Trie.load(str(path)) if baseline_so else None
-    if base is not None:
-        pb, mb = base.probability_array(ctx, None, cand)
-        pn, mn = trie._t.probability_array(ctx, None, cand)
-        if not (np.array_equal(mb, mn) and np.array_equal(pb.view(np.int32), pn.view(np.int32))):
-            raise SystemExit("the baseline build answers differently")
+    contenders = {"mmap": trie._t, "hp": trie_hp._t}
+    if baseline_so:
+        contenders["baseline"] = load_core(baseline_so).Trie.load(str(path))
+    reference = trie._t.probability_array(ctx, None, cand)
+    for name, t in contenders.items():
+        p, m = t.probability_array(ctx, None, cand)
+        if not (np.array_equal(m, reference[1]) and np.array_equal(p.view(np.int32), reference[0].view(np.int32))):
+            raise SystemExit(f"the {name} trie answers differently")
+    single: dict[str, list] = {k: [] for k in contenders}
+    batched: dict[str, list] = {k: [] for k in contenders}
     for _ in range(passes):
-        runs.append(trie._t.bench_queries(ctx, cand, 3))
-        batched.append(trie._t.bench_queries(ctx, cand, 3, True))
-        if base is not None:
-            base_runs.append(base.bench_queries(ctx, cand, 3))
+        for name, t in contenders.items():
+            single[name].append(t.bench_queries(ctx, cand, 3))
             with contextlib.suppress(TypeError):  # builds before the batched query path lack it
-                base_batched.append(base.bench_queries(ctx, cand, 3, True))
-    single_ns = min(r[0] for r in runs)
-    single_cpu_ns = min(r[1] for r in runs)
+                batched[name].append(t.bench_queries(ctx, cand, 3, True))
     batch_wall, batch_cpu = [], []
     for _ in range(3):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -182,19 +196,26 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
 
     dram_dep_ns, dram_ind_ns = _core.bench_memory(256.0)
     out = {"dram_dependent_ns": dram_dep_ns, "dram_independent_ns": dram_ind_ns,
-           "single_us": single_ns / 1000, "single_cpu_us": single_cpu_ns / 1000,
-           "batched_cpp_us": min(r[0] for r in batched) / 1000, "batched_cpp_cpu_us": min(r[1] for r in batched) / 1000,
            "batch_us": min(batch_wall), "batch_cpu_us": min(batch_cpu), "python_call_us": py_us,
            "python_call_cpu_us": py_cpu_us, "hit_rate_true_next": float((m[:, 0] > 0).mean()),
-           "matched_sum": int(m.sum()), "prob_sum": float(p.astype(np.float64).sum()), "queries": len(ctx)}
-    if base_runs:
-        out["baseline_single_us"] = min(r[0] for r in base_runs) / 1000
-        out["baseline_single_cpu_us"] = min(r[1] for r in base_runs) / 1000
-        # Each pass times both builds back to back: the median of the per-pass ratios is robust to
-        # load that changes between passes.
-        out["single_ratio_to_baseline"] = statistics.median(r[1] / b[1] for r, b in zip(runs, base_runs, strict=True))
-    if base_batched:
-        out["baseline_batched_cpp_cpu_us"] = min(r[1] for r in base_batched) / 1000
+           "matched_sum": int(m.sum()), "prob_sum": float(p.astype(np.float64).sum()), "queries": len(ctx),
+           "huge_pages_granted": huge_granted}
+    # Times in ns (wall, thread CPU) per query -> µs; minimum over passes.
+    for name, prefix in (("mmap", ""), ("hp", "hp_"), ("baseline", "baseline_")):
+        if single.get(name):
+            out[f"{prefix}single_us"] = min(r[0] for r in single[name]) / 1000
+            out[f"{prefix}single_cpu_us"] = min(r[1] for r in single[name]) / 1000
+        if batched.get(name):
+            out[f"{prefix}batched_cpp_us"] = min(r[0] for r in batched[name]) / 1000
+            out[f"{prefix}batched_cpp_cpu_us"] = min(r[1] for r in batched[name]) / 1000
+    # Each pass times all of them back to back: the median of the per-pass ratios is robust to load
+    # that changes between passes.
+    def median_ratio(a: str, b: str) -> float:
+        return statistics.median(x[1] / y[1] for x, y in zip(single[a], single[b], strict=True))
+
+    out["single_ratio_hp_to_mmap"] = median_ratio("hp", "mmap")
+    if single.get("baseline"):
+        out["single_ratio_to_baseline"] = median_ratio("mmap", "baseline")
     return out
 
 
@@ -203,14 +224,18 @@ def query_only(out: Path, trie_path: Path, baseline_so: str | None, passes: int)
     data = np.load(out / "ids.npz")
     q = query_bench(trie_path, data["flat"], data["offsets"], baseline_so=baseline_so, passes=passes)
     print(f"trie {trie_path}; machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"single (C++ loop): {q['single_us']:.3f} µs wall, {q['single_cpu_us']:.3f} µs CPU per 25-candidate query")
-    print(f"batched (one C++ call, one thread): {q['batched_cpp_us']:.3f} µs wall, "
-          f"{q['batched_cpp_cpu_us']:.3f} µs CPU per query")
+    for prefix, what in (("", "memory-mapped (default load)"), ("hp_", "read into huge pages (huge_pages=True)")):
+        print(f"{what}: single (C++ loop) {q[prefix + 'single_us']:.3f} µs wall, {q[prefix + 'single_cpu_us']:.3f} µs "
+              f"CPU per 25-candidate query; batched (one C++ call, one thread) {q[prefix + 'batched_cpp_us']:.3f} µs "
+              f"wall, {q[prefix + 'batched_cpp_cpu_us']:.3f} µs CPU per query")
+    print(f"huge pages / mmap, median of per-pass single-query ratios: {q['single_ratio_hp_to_mmap']:.3f} "
+          f"({q['huge_pages_granted']:.0%} of the file in huge pages; 0% means transparent huge pages are off)")
     if "baseline_single_cpu_us" in q:
         extra = (f", batched {q['baseline_batched_cpp_cpu_us']:.3f} µs CPU"
                  if "baseline_batched_cpp_cpu_us" in q else "")
-        print(f"baseline build, same queries, interleaved: single {q['baseline_single_cpu_us']:.3f} µs CPU{extra}; "
-              f"this build / baseline, median of per-pass ratios: {q['single_ratio_to_baseline']:.3f}")
+        print(f"baseline build (memory-mapped), same queries, interleaved: single {q['baseline_single_cpu_us']:.3f} "
+              f"µs CPU{extra}; this build (memory-mapped) / baseline, median of per-pass ratios: "
+              f"{q['single_ratio_to_baseline']:.3f}")
     print(f"batched from Python (numpy; threads for >= 2048 rows): {q['batch_us']:.3f} µs wall, "
           f"{q['batch_cpu_us']:.3f} µs CPU per query")
     print(f"single Python call: {q['python_call_us']:.3f} µs wall, {q['python_call_cpu_us']:.3f} µs CPU")
@@ -255,13 +280,13 @@ def query_breakdown(out: Path, trie_path: Path, passes: int) -> None:
         print(f"{name:58s} {min(t):.3f} µs CPU")
 
 
-def load_bench(path: Path, repeats: int = 20) -> float:
+def load_bench(path: Path, repeats: int = 20, huge_pages: bool = False) -> float:
     from ngram_builder import NgramTrie
 
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        t = NgramTrie.load(path)
+        t = NgramTrie.load(path, huge_pages=huge_pages)
         t.probability([1, 2], [3])
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -322,6 +347,7 @@ def main() -> None:
     dart_bytes = dart_path.stat().st_size
     dart_path.unlink()
     load_s = load_bench(full)
+    load_hp_s = load_bench(full, huge_pages=True)
     data = np.load(out / "ids.npz")
     q = query_bench(full, data["flat"], data["offsets"])
     tok_s = meta["tokens"] / mem["total_s"]
@@ -330,10 +356,13 @@ def main() -> None:
         ("nodes", f"{ANCHOR['nodes']:,} (all conversations)", f"{nodes:,} (train split)"),
         ("bytes/node on disk", f"{ANCHOR['disk_bytes_per_node']:.0f}", f"{disk / nodes:.2f} ({disk / 2**20:.1f} MiB)"),
         ("bytes/node in RAM", f"~{ANCHOR['ram_bytes_per_node']:.0f}", f"{ram / nodes:.2f} (mmap + level-1 index)"),
-        ("load", f"{ANCHOR['load_s']:.2f} s", f"{load_s * 1e3:.2f} ms (mmap; header + table checks)"),
+        ("load", f"{ANCHOR['load_s']:.2f} s", f"{load_s * 1e3:.2f} ms (mmap; header + table checks); "
+         f"{load_hp_s * 1e3:.1f} ms with huge_pages=True (a copy)"),
         ("query, 2-token ctx, 25 cand.", f"{ANCHOR['query_us']:.1f} µs",
          f"{q['single_us']:.2f} µs wall / {q['single_cpu_us']:.2f} µs CPU (C++ call); "
          f"{q['batched_cpp_cpu_us']:.2f} µs CPU per query in one C++ batch call; "
+         f"huge_pages=True: {q['hp_single_cpu_us']:.2f} µs CPU single, {q['hp_batched_cpp_cpu_us']:.2f} µs CPU "
+         f"batched (per-pass ratio to mmap {q['single_ratio_hp_to_mmap']:.3f}); "
          f"{q['batch_us']:.2f} µs wall / {q['batch_cpu_us']:.2f} µs CPU per query batched from Python; "
          f"{q['python_call_us']:.1f} µs single Python call"),
         ("memory system (this machine)", "-", memory_line(q)),
@@ -352,7 +381,8 @@ def main() -> None:
     print("|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")
-    result = {"meta": meta, "nodes": nodes, "disk_bytes": disk, "ram_bytes": ram, "load_s": load_s, "query": q,
+    result = {"meta": meta, "nodes": nodes, "disk_bytes": disk, "ram_bytes": ram, "load_s": load_s,
+              "load_huge_pages_s": load_hp_s, "query": q,
               "build": mem, "build_capped": cap, "capped_identical": identical, "dart_bytes": dart_bytes,
               "load_dart_s": load_dart_s, "info": trie.info()}
     (out / "bench.json").write_text(json.dumps(result, indent=2))

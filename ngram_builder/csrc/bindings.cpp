@@ -348,11 +348,11 @@ class PyTrie {
     py::gil_scoped_release nogil;
     ngb::save_dart(*v, path);
   }
-  static std::unique_ptr<PyTrie> load(const std::string& path, bool verify) {
+  static std::unique_ptr<PyTrie> load(const std::string& path, bool verify, bool huge_pages) {
     std::shared_ptr<TrieView> v;
     {
       py::gil_scoped_release nogil;
-      v = std::make_shared<TrieView>(Image::map_file(path), verify, "'" + path + "'");
+      v = std::make_shared<TrieView>(Image::map_file(path, huge_pages), verify, "'" + path + "'");
     }
     return std::make_unique<PyTrie>(v);
   }
@@ -428,6 +428,7 @@ class PyTrie {
     d["ram_bytes"] = v->ram_bytes();
     d["tokenizer_fingerprint"] = fp_;
     d["memory_mapped"] = v->image()->mapped();
+    d["huge_pages"] = v->image()->huge_pages();
     py::list levels;
     for (int k = 1; k <= v->order(); ++k) {
       py::dict L;
@@ -589,7 +590,8 @@ PYBIND11_MODULE(_core, m) {
       .def("prune", &PyTrie::prune, py::arg("min_count"), py::arg("out_path") = "", py::arg("spill_dir") = "")
       .def("save", &PyTrie::save)
       .def("save_dart", &PyTrie::save_dart_file)
-      .def_static("load", &PyTrie::load, py::arg("path"), py::arg("verify") = false)
+      .def_static("load", &PyTrie::load, py::arg("path"), py::arg("verify") = false,
+                  py::arg("huge_pages") = false)
       .def_static("load_dart", &PyTrie::load_dart_file, py::arg("path"), py::arg("vocab_size") = 0,
                   py::arg("fingerprint") = "")
       .def("verify", &PyTrie::verify)

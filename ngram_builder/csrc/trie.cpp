@@ -25,7 +25,7 @@ std::shared_ptr<Image> Image::from_memory(std::vector<uint64_t>&& words, uint64_
   return img;
 }
 
-std::shared_ptr<Image> Image::map_file(const std::string& path) {
+std::shared_ptr<Image> Image::map_file(const std::string& path, bool huge_pages) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw IoError("cannot open '" + path + "': " + std::strerror(errno));
   struct stat st {};
@@ -39,14 +39,48 @@ std::shared_ptr<Image> Image::map_file(const std::string& path) {
     throw FormatError("'" + path + "' is too small to be a compact n-gram trie (" + std::to_string(size) +
                       " bytes)");
   }
-  void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (p == MAP_FAILED) throw IoError("cannot map '" + path + "': " + std::strerror(errno));
   std::shared_ptr<Image> img(new Image());
-  img->map_ = p;
-  img->map_len_ = size;
-  img->data_ = static_cast<const uint8_t*>(p);
   img->size_ = size;
+  if (!huge_pages) {
+    void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) throw IoError("cannot map '" + path + "': " + std::strerror(errno));
+    img->map_ = p;
+    img->map_len_ = size;
+    img->data_ = static_cast<const uint8_t*>(p);
+    return img;
+  }
+  // One extra huge page of address space, so the copy can start on a 2 MB boundary.
+  constexpr uint64_t kHuge = 2ull << 20;
+  const uint64_t len = (size + kHuge - 1) / kHuge * kHuge;
+  void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
+    const int err = errno;
+    ::close(fd);
+    throw IoError("cannot allocate " + std::to_string(len >> 20) + " MB to read '" + path +
+                  "' into huge pages: " + std::strerror(err));
+  }
+  img->map_ = raw;
+  img->map_len_ = len + kHuge;  // released by the destructor from here on, also on a failed read
+  uint8_t* dst = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) & ~(kHuge - 1));
+#if defined(MADV_HUGEPAGE)
+  madvise(dst, len, MADV_HUGEPAGE);  // a hint: with transparent huge pages off it is a plain copy
+#endif
+  uint64_t done = 0;
+  while (done < size) {
+    const ssize_t got = ::pread(fd, dst + done, std::min<uint64_t>(size - done, 1ull << 30), static_cast<off_t>(done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      const std::string why = got < 0 ? std::strerror(errno) : "the file became shorter while being read";
+      ::close(fd);
+      throw IoError("cannot read '" + path + "': " + why);
+    }
+    done += static_cast<uint64_t>(got);
+  }
+  ::close(fd);
+  mprotect(dst, len, PROT_READ);  // read-only like the mapping: a stray write faults
+  img->data_ = dst;
+  img->huge_pages_ = true;
   return img;
 }
 

@@ -12,21 +12,28 @@
 
 namespace ngb {
 
-// Owns the bytes of one compact image: heap memory or a read-only mmap of a file.
+// Owns the bytes of one compact image: heap memory, a read-only mmap of a file, or a read-only
+// copy of a file in 2 MB transparent huge pages.
 class Image {
  public:
   static std::shared_ptr<Image> from_memory(std::vector<uint64_t>&& words, uint64_t size);
-  static std::shared_ptr<Image> map_file(const std::string& path);
+  // huge_pages: read the file into anonymous memory advised as huge pages instead of mapping it.
+  // Queries over a trie larger than the caches miss the TLB on nearly every read with 4 KB pages;
+  // with 2 MB pages they mostly do not (~6% faster queries here), for a copy on load
+  // (~15 ms for 56 MB) and private instead of page-cache memory.
+  static std::shared_ptr<Image> map_file(const std::string& path, bool huge_pages = false);
   ~Image();
   const uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
-  bool mapped() const { return map_ != nullptr; }
+  bool mapped() const { return map_ != nullptr && !huge_pages_; }
+  bool huge_pages() const { return huge_pages_; }
 
  private:
   Image() = default;
   std::vector<uint64_t> words_;
-  void* map_ = nullptr;
+  void* map_ = nullptr;  // what munmap releases: the file mapping or the anonymous region
   uint64_t map_len_ = 0;
+  bool huge_pages_ = false;
   const uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
 };
