@@ -107,6 +107,8 @@ class TrieView : public dart::NgramQuery {
   template <class TT>
   bool run_batch(const Batch& batch, std::vector<size_t>* bad_rows) const;
   template <class TT>
+  bool run_one(const int32_t* ctx, size_t len, const int32_t* tokens, size_t n, float* probs, int32_t* matched) const;
+  template <class TT>
   void stage_issue(Query& q) const;
   void stage_context(Query& q) const;
   void prefetch_candidates(uint64_t slot, uint64_t s, uint64_t e, bool with_children) const;
