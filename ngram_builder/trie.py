@@ -178,31 +178,31 @@ class NgramTrie:
         self._t.save(_writable_target(path, overwrite))
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, verify: bool = False, huge_pages: bool = False,
+    def load(cls, path: str | os.PathLike[str], *, verify: bool = False, mmap: bool = True,
              vocab_size: int | None = None, tokenizer_fingerprint: str | None = None) -> NgramTrie:
         """Memory-map a compact trie. Header and section table are always checked; `verify=True`
         also checks the payload checksum and every node. `vocab_size` / `tokenizer_fingerprint`
         (of the model it will be used with) raise `NgramMismatchError` when they disagree.
 
-        `huge_pages=True` reads the file into 2 MB transparent huge pages instead of mapping it:
-        queries get faster (fewer TLB misses; ~6% on ShareGPT) for a copy on load (~15 ms per
-        56 MB) and private memory instead of the shared page cache. Needs transparent huge pages
-        set to `madvise` or `always` (/sys/kernel/mm/transparent_hugepage/enabled); otherwise it
-        is a plain copy."""
-        trie = cls._wrap(_core.Trie.load(_readable_file(path), bool(verify), bool(huge_pages)))
+        `mmap=False` is the faster-query load: the file is read into 2 MB transparent huge pages
+        (fewer TLB misses) and a per-context candidate index is built (one cache line less per
+        candidate): ~15% faster queries on the ShareGPT trie, for ~30 ms of load per 56 MB and
+        ~15% more memory, private instead of the shared page cache. Huge pages need transparent
+        huge pages set to `madvise` or `always` (/sys/kernel/mm/transparent_hugepage/enabled)."""
+        trie = cls._wrap(_core.Trie.load(_readable_file(path), bool(verify), not mmap))
         trie.check_compatible(vocab_size=vocab_size, tokenizer_fingerprint=tokenizer_fingerprint)
         return trie
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, verify: bool = False, huge_pages: bool = False,
+    def open(cls, path: str | os.PathLike[str], *, verify: bool = False, mmap: bool = True,
              vocab_size: int | None = None, tokenizer_fingerprint: str | None = None) -> NgramTrie:
-        """Load either format, told apart by the compact format's magic bytes (`huge_pages`: see
-        `load`; the original format is always read into memory)."""
+        """Load either format, told apart by the compact format's magic bytes (`mmap`: see `load`;
+        the original format is always read into memory)."""
         src = _readable_file(path)
         with open(src, "rb") as f:
             magic = f.read(len(COMPACT_MAGIC))
         if magic == COMPACT_MAGIC:
-            return cls.load(src, verify=verify, huge_pages=huge_pages, vocab_size=vocab_size,
+            return cls.load(src, verify=verify, mmap=mmap, vocab_size=vocab_size,
                             tokenizer_fingerprint=tokenizer_fingerprint)
         trie = cls.load_dart(src, vocab_size=vocab_size)
         trie.check_compatible(vocab_size=vocab_size)

@@ -148,21 +148,21 @@ def anon_huge_bytes() -> int:
 def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_000,
                 baseline_so: str | None = None, passes: int = 5) -> dict:
     """Single and batched query times of the trie memory-mapped (the default load) and read into
-    huge pages (`huge_pages=True`), and of an older build when given: all timed interleaved in each
-    pass, so load on the shared machine affects them alike. Keys: single/batched (mmap), *_hp
-    (huge pages), baseline_* and the medians of the per-pass ratios."""
+    memory (`mmap=False`: huge pages + candidate index), and of an older build when given: all
+    timed interleaved in each pass, so load on the shared machine affects them alike. Keys:
+    single/batched (mmap), mem_* (mmap=False), baseline_* and the medians of per-pass ratios."""
     from ngram_builder import NgramTrie
 
     trie = NgramTrie.load(path)
     huge_before = anon_huge_bytes()
-    trie_hp = NgramTrie.load(path, huge_pages=True)
+    trie_mem = NgramTrie.load(path, mmap=False)
     huge_granted = (anon_huge_bytes() - huge_before) / path.stat().st_size
     ctx, cand = query_set(flat, offsets, n)
     # Each pass walks 20k random contexts over a trie larger than the caches, so misses dominate;
     # the minimum over passes drops passes disturbed by other jobs on the shared machine.
     # Single: one probability() call per query in a C++ loop; batched: one probability_batch()
     # call for all of them (one thread), both measured in C++.
-    contenders = {"mmap": trie._t, "hp": trie_hp._t}
+    contenders = {"mmap": trie._t, "mem": trie_mem._t}
     if baseline_so:
         contenders["baseline"] = load_core(baseline_so).Trie.load(str(path))
     reference = trie._t.probability_array(ctx, None, cand)
@@ -199,9 +199,9 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
            "batch_us": min(batch_wall), "batch_cpu_us": min(batch_cpu), "python_call_us": py_us,
            "python_call_cpu_us": py_cpu_us, "hit_rate_true_next": float((m[:, 0] > 0).mean()),
            "matched_sum": int(m.sum()), "prob_sum": float(p.astype(np.float64).sum()), "queries": len(ctx),
-           "huge_pages_granted": huge_granted}
+           "huge_pages_granted": huge_granted, "candidate_index_bytes": trie_mem.info()["candidate_index_bytes"]}
     # Times in ns (wall, thread CPU) per query -> µs; minimum over passes.
-    for name, prefix in (("mmap", ""), ("hp", "hp_"), ("baseline", "baseline_")):
+    for name, prefix in (("mmap", ""), ("mem", "mem_"), ("baseline", "baseline_")):
         if single.get(name):
             out[f"{prefix}single_us"] = min(r[0] for r in single[name]) / 1000
             out[f"{prefix}single_cpu_us"] = min(r[1] for r in single[name]) / 1000
@@ -213,7 +213,7 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
     def median_ratio(a: str, b: str) -> float:
         return statistics.median(x[1] / y[1] for x, y in zip(single[a], single[b], strict=True))
 
-    out["single_ratio_hp_to_mmap"] = median_ratio("hp", "mmap")
+    out["single_ratio_mem_to_mmap"] = median_ratio("mem", "mmap")
     if single.get("baseline"):
         out["single_ratio_to_baseline"] = median_ratio("mmap", "baseline")
     return out
@@ -224,12 +224,13 @@ def query_only(out: Path, trie_path: Path, baseline_so: str | None, passes: int)
     data = np.load(out / "ids.npz")
     q = query_bench(trie_path, data["flat"], data["offsets"], baseline_so=baseline_so, passes=passes)
     print(f"trie {trie_path}; machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    for prefix, what in (("", "memory-mapped (default load)"), ("hp_", "read into huge pages (huge_pages=True)")):
+    for prefix, what in (("", "memory-mapped (default load)"), ("mem_", "read into memory (mmap=False)")):
         print(f"{what}: single (C++ loop) {q[prefix + 'single_us']:.3f} µs wall, {q[prefix + 'single_cpu_us']:.3f} µs "
               f"CPU per 25-candidate query; batched (one C++ call, one thread) {q[prefix + 'batched_cpp_us']:.3f} µs "
               f"wall, {q[prefix + 'batched_cpp_cpu_us']:.3f} µs CPU per query")
-    print(f"huge pages / mmap, median of per-pass single-query ratios: {q['single_ratio_hp_to_mmap']:.3f} "
-          f"({q['huge_pages_granted']:.0%} of the file in huge pages; 0% means transparent huge pages are off)")
+    print(f"mmap=False / mmap, median of per-pass single-query ratios: {q['single_ratio_mem_to_mmap']:.3f} "
+          f"({q['huge_pages_granted']:.0%} of the file in huge pages, 0% where transparent huge pages are off; "
+          f"candidate index {q['candidate_index_bytes'] / 2**20:.1f} MiB)")
     if "baseline_single_cpu_us" in q:
         extra = (f", batched {q['baseline_batched_cpp_cpu_us']:.3f} µs CPU"
                  if "baseline_batched_cpp_cpu_us" in q else "")
@@ -280,13 +281,13 @@ def query_breakdown(out: Path, trie_path: Path, passes: int) -> None:
         print(f"{name:58s} {min(t):.3f} µs CPU")
 
 
-def load_bench(path: Path, repeats: int = 20, huge_pages: bool = False) -> float:
+def load_bench(path: Path, repeats: int = 20, mmap: bool = True) -> float:
     from ngram_builder import NgramTrie
 
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        t = NgramTrie.load(path, huge_pages=huge_pages)
+        t = NgramTrie.load(path, mmap=mmap)
         t.probability([1, 2], [3])
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -347,7 +348,7 @@ def main() -> None:
     dart_bytes = dart_path.stat().st_size
     dart_path.unlink()
     load_s = load_bench(full)
-    load_hp_s = load_bench(full, huge_pages=True)
+    load_mem_s = load_bench(full, mmap=False)
     data = np.load(out / "ids.npz")
     q = query_bench(full, data["flat"], data["offsets"])
     tok_s = meta["tokens"] / mem["total_s"]
@@ -357,12 +358,12 @@ def main() -> None:
         ("bytes/node on disk", f"{ANCHOR['disk_bytes_per_node']:.0f}", f"{disk / nodes:.2f} ({disk / 2**20:.1f} MiB)"),
         ("bytes/node in RAM", f"~{ANCHOR['ram_bytes_per_node']:.0f}", f"{ram / nodes:.2f} (mmap + level-1 index)"),
         ("load", f"{ANCHOR['load_s']:.2f} s", f"{load_s * 1e3:.2f} ms (mmap; header + table checks); "
-         f"{load_hp_s * 1e3:.1f} ms with huge_pages=True (a copy)"),
+         f"{load_mem_s * 1e3:.1f} ms with mmap=False (a copy + candidate index)"),
         ("query, 2-token ctx, 25 cand.", f"{ANCHOR['query_us']:.1f} µs",
          f"{q['single_us']:.2f} µs wall / {q['single_cpu_us']:.2f} µs CPU (C++ call); "
          f"{q['batched_cpp_cpu_us']:.2f} µs CPU per query in one C++ batch call; "
-         f"huge_pages=True: {q['hp_single_cpu_us']:.2f} µs CPU single, {q['hp_batched_cpp_cpu_us']:.2f} µs CPU "
-         f"batched (per-pass ratio to mmap {q['single_ratio_hp_to_mmap']:.3f}); "
+         f"mmap=False: {q['mem_single_cpu_us']:.2f} µs CPU single, {q['mem_batched_cpp_cpu_us']:.2f} µs CPU "
+         f"batched (per-pass ratio to mmap {q['single_ratio_mem_to_mmap']:.3f}); "
          f"{q['batch_us']:.2f} µs wall / {q['batch_cpu_us']:.2f} µs CPU per query batched from Python; "
          f"{q['python_call_us']:.1f} µs single Python call"),
         ("memory system (this machine)", "-", memory_line(q)),
@@ -382,7 +383,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")
     result = {"meta": meta, "nodes": nodes, "disk_bytes": disk, "ram_bytes": ram, "load_s": load_s,
-              "load_huge_pages_s": load_hp_s, "query": q,
+              "load_in_memory_s": load_mem_s, "query": q,
               "build": mem, "build_capped": cap, "capped_identical": identical, "dart_bytes": dart_bytes,
               "load_dart_s": load_dart_s, "info": trie.info()}
     (out / "bench.json").write_text(json.dumps(result, indent=2))

@@ -228,7 +228,7 @@ def test_counts_and_queries_match_bruteforce(order: int) -> None:
         assert t.probability(ctx, toks) == _ref_probability(ref, order, ctx, toks)
 
 
-def _wide_docs() -> tuple[list[list[int]], list[tuple[int, int]], list[int]]:
+def _wide_docs(vocab: int) -> tuple[list[list[int]], list[tuple[int, int]], list[int]]:
     """Documents whose contexts have child runs of every size the query's search strategies switch
     at (SIMD blocks, segments, binary search ending in a window, the level-2 hash)."""
     rng = random.Random(7)
@@ -237,25 +237,29 @@ def _wide_docs() -> tuple[list[list[int]], list[tuple[int, int]], list[int]]:
     for i, size in enumerate([1, 7, 8, 9, 16, 17, 31, 32, 33, 47, 48, 63, 64, 65, 200, 511, 512, 513, 1500]):
         a, b = 2 * i + 1, 2 * i + 2  # a distinct 2-token context per size
         pairs.append((a, b))
-        for tok in rng.sample(range(100, 5000), size):
+        for tok in rng.sample(range(100, vocab), size):
             docs.extend([[a, b, tok]] * rng.choice([1, 1, 2, 300]))  # some counts escape one byte
     for i, size in enumerate([40, 48, 300, 600, 2000]):
         c = 60 + i
         singles.append(c)
-        docs.extend([c, tok] for tok in rng.sample(range(100, 5000), size))
-    docs.extend([rng.randrange(5000) for _ in range(rng.randrange(2, 50))] for _ in range(300))
+        for tok in rng.sample(range(100, vocab), size):
+            docs.extend([[c, tok]] * rng.choice([1, 2, 3]))
+    docs.extend([rng.randrange(vocab) for _ in range(rng.randrange(2, 50))] for _ in range(300))
     return docs, pairs, singles
 
 
-@pytest.mark.parametrize("load", ["built", "mmap", "huge_pages"])
-def test_wide_child_runs_match_bruteforce(load: str, tmp_path: Path) -> None:
-    docs, pairs, singles = _wide_docs()
-    t = NgramTrie(3, vocab_size=5000)
+@pytest.mark.parametrize("vocab", [5000, 80_000])  # 2- and 4-byte tokens
+@pytest.mark.parametrize("load", ["built", "mmap", "in_memory"])
+def test_wide_child_runs_match_bruteforce(load: str, vocab: int, tmp_path: Path) -> None:
+    docs, pairs, singles = _wide_docs(vocab)
+    t = NgramTrie(3, vocab_size=vocab)
     for d in docs:
         t.add_tokens(d)
     if load != "built":
         t.save(tmp_path / "w.ngt")
-        t = NgramTrie.load(tmp_path / "w.ngt", verify=True, huge_pages=load == "huge_pages")
+        t = NgramTrie.load(tmp_path / "w.ngt", verify=True, mmap=load == "mmap")
+        # In memory, the contexts whose candidates would go through the hash get an index.
+        assert (t.info()["candidate_index_bytes"] > 0) == (load == "in_memory")
     ref = _ref_counts(docs, 3)
     rng = np.random.default_rng(3)
     contexts, cands = [], []
@@ -268,7 +272,7 @@ def test_wide_child_runs_match_bruteforce(load: str, tmp_path: Path) -> None:
         # tokens around them, ids outside the vocabulary.
         children = children_of(ctx) or children_of(ctx[-1:])
         present = [children[0], children[-1], *rng.choice(children, size=10)]
-        absent = [*rng.integers(0, 5000, size=9), 4999, 5000, 70_000]
+        absent = [*rng.integers(0, vocab, size=9), vocab - 1, vocab, 90_000]
         cand = [int(x) for x in (*present, *absent)][:25]
         assert t.probability(ctx, cand) == _ref_probability(ref, 3, ctx, cand), ctx
         contexts.append(([0] + ctx)[-2:])

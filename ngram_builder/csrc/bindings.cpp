@@ -348,11 +348,12 @@ class PyTrie {
     py::gil_scoped_release nogil;
     ngb::save_dart(*v, path);
   }
-  static std::unique_ptr<PyTrie> load(const std::string& path, bool verify, bool huge_pages) {
+  static std::unique_ptr<PyTrie> load(const std::string& path, bool verify, bool in_memory) {
     std::shared_ptr<TrieView> v;
     {
       py::gil_scoped_release nogil;
-      v = std::make_shared<TrieView>(Image::map_file(path, huge_pages), verify, "'" + path + "'");
+      v = std::make_shared<TrieView>(Image::map_file(path, in_memory), verify, "'" + path + "'");
+      if (in_memory) v->build_candidate_index();
     }
     return std::make_unique<PyTrie>(v);
   }
@@ -428,7 +429,7 @@ class PyTrie {
     d["ram_bytes"] = v->ram_bytes();
     d["tokenizer_fingerprint"] = fp_;
     d["memory_mapped"] = v->image()->mapped();
-    d["huge_pages"] = v->image()->huge_pages();
+    d["candidate_index_bytes"] = v->candidate_index_bytes();
     py::list levels;
     for (int k = 1; k <= v->order(); ++k) {
       py::dict L;
@@ -591,7 +592,7 @@ PYBIND11_MODULE(_core, m) {
       .def("save", &PyTrie::save)
       .def("save_dart", &PyTrie::save_dart_file)
       .def_static("load", &PyTrie::load, py::arg("path"), py::arg("verify") = false,
-                  py::arg("huge_pages") = false)
+                  py::arg("in_memory") = false)
       .def_static("load_dart", &PyTrie::load_dart_file, py::arg("path"), py::arg("vocab_size") = 0,
                   py::arg("fingerprint") = "")
       .def("verify", &PyTrie::verify)

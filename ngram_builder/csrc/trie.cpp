@@ -2,6 +2,7 @@
 #include "trie.hpp"
 
 #include <algorithm>
+#include <utility>
 #include <cerrno>
 #include <cstdio>
 #include <fcntl.h>
@@ -15,7 +16,44 @@
 namespace ngb {
 
 // ---------------------------------------------------------------------------------------------
-// Image
+// HugeBuffer, Image
+
+HugeBuffer::HugeBuffer(uint64_t bytes) {
+  constexpr uint64_t kHuge = 2ull << 20;
+  size_ = bytes;
+  if (bytes == 0) return;
+  // One extra huge page of address space, so that the buffer can start on a 2 MB boundary.
+  const uint64_t len = (bytes + kHuge - 1) / kHuge * kHuge;
+  raw_len_ = len + kHuge;
+  raw_ = mmap(nullptr, raw_len_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw_ == MAP_FAILED) {
+    raw_ = nullptr;
+    throw IoError("cannot allocate " + std::to_string(len >> 20) + " MB: " + std::strerror(errno));
+  }
+  data_ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_) + kHuge - 1) & ~(kHuge - 1));
+#if defined(MADV_HUGEPAGE)
+  madvise(data_, len, MADV_HUGEPAGE);
+#endif
+}
+
+HugeBuffer::~HugeBuffer() {
+  if (raw_) munmap(raw_, raw_len_);
+}
+
+HugeBuffer& HugeBuffer::operator=(HugeBuffer&& other) noexcept {
+  if (this != &other) {
+    if (raw_) munmap(raw_, raw_len_);
+    raw_ = std::exchange(other.raw_, nullptr);
+    raw_len_ = std::exchange(other.raw_len_, 0);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+void HugeBuffer::make_read_only() {
+  if (raw_) mprotect(data_, raw_len_ - (data_ - static_cast<uint8_t*>(raw_)), PROT_READ);
+}
 
 std::shared_ptr<Image> Image::from_memory(std::vector<uint64_t>&& words, uint64_t size) {
   std::shared_ptr<Image> img(new Image());
@@ -25,7 +63,7 @@ std::shared_ptr<Image> Image::from_memory(std::vector<uint64_t>&& words, uint64_
   return img;
 }
 
-std::shared_ptr<Image> Image::map_file(const std::string& path, bool huge_pages) {
+std::shared_ptr<Image> Image::map_file(const std::string& path, bool in_memory) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw IoError("cannot open '" + path + "': " + std::strerror(errno));
   struct stat st {};
@@ -41,7 +79,7 @@ std::shared_ptr<Image> Image::map_file(const std::string& path, bool huge_pages)
   }
   std::shared_ptr<Image> img(new Image());
   img->size_ = size;
-  if (!huge_pages) {
+  if (!in_memory) {
     void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
     ::close(fd);
     if (p == MAP_FAILED) throw IoError("cannot map '" + path + "': " + std::strerror(errno));
@@ -50,22 +88,13 @@ std::shared_ptr<Image> Image::map_file(const std::string& path, bool huge_pages)
     img->data_ = static_cast<const uint8_t*>(p);
     return img;
   }
-  // One extra huge page of address space, so the copy can start on a 2 MB boundary.
-  constexpr uint64_t kHuge = 2ull << 20;
-  const uint64_t len = (size + kHuge - 1) / kHuge * kHuge;
-  void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) {
-    const int err = errno;
+  try {
+    img->copy_ = HugeBuffer(size);
+  } catch (const IoError& e) {
     ::close(fd);
-    throw IoError("cannot allocate " + std::to_string(len >> 20) + " MB to read '" + path +
-                  "' into huge pages: " + std::strerror(err));
+    throw IoError("cannot read '" + path + "' into memory: " + e.what());
   }
-  img->map_ = raw;
-  img->map_len_ = len + kHuge;  // released by the destructor from here on, also on a failed read
-  uint8_t* dst = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) & ~(kHuge - 1));
-#if defined(MADV_HUGEPAGE)
-  madvise(dst, len, MADV_HUGEPAGE);  // a hint: with transparent huge pages off it is a plain copy
-#endif
+  uint8_t* dst = img->copy_.data();
   uint64_t done = 0;
   while (done < size) {
     const ssize_t got = ::pread(fd, dst + done, std::min<uint64_t>(size - done, 1ull << 30), static_cast<off_t>(done));
@@ -78,9 +107,8 @@ std::shared_ptr<Image> Image::map_file(const std::string& path, bool huge_pages)
     done += static_cast<uint64_t>(got);
   }
   ::close(fd);
-  mprotect(dst, len, PROT_READ);  // read-only like the mapping: a stray write faults
+  img->copy_.make_read_only();
   img->data_ = dst;
-  img->huge_pages_ = true;
   return img;
 }
 
@@ -361,7 +389,8 @@ void TrieView::full_verify(const std::string& what) const {
 }
 
 uint64_t TrieView::ram_bytes() const {
-  return image_->size() + dense1_.size() * sizeof(uint32_t) + uni_.size() * sizeof(Unigram);
+  return image_->size() + dense1_.size() * sizeof(uint32_t) + uni_.size() * sizeof(Unigram) +
+         cand_table_.size() * sizeof(uint64_t) + cand_slots_.size();
 }
 
 uint64_t TrieView::count_checked(int k, uint64_t i, bool& ok) const {
@@ -625,6 +654,17 @@ inline void prefetch_search(const uint8_t* base, uint64_t s, uint64_t e, uint32_
 // query is bound by the cache lines it touches, and the hash costs a slot line per candidate
 // plus a token line and a count line per match (~47 lines on ShareGPT; the run: <= 16 + matches).
 constexpr uint64_t kSegmentMaxRange = 512;
+// Candidates under a 1-token context with at least this many children go through the hash (or the
+// candidate index); below it they are searched in the run.
+template <class TT>
+constexpr uint64_t kHashedRunMin = sizeof(TT) == 2 && kSse2 ? kSegmentMaxRange + 1 : kHashMinRange;
+// Candidate index (build_candidate_index): the position half of an empty slot.
+template <class TT>
+constexpr TT kCandEmpty = static_cast<TT>(~TT{0});
+// Slot of `token` in a candidate-index table of 2^bits slots (Fibonacci hashing).
+inline uint64_t cand_slot(uint32_t token, uint64_t bits) {
+  return (static_cast<uint64_t>(token) * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+}
 // Hash probes looked at when prefetching a lookup's possible matches (longer sequences are rare).
 constexpr uint64_t kPrefetchProbes = 4;
 
@@ -724,6 +764,7 @@ struct TrieView::Query {
   bool ok = true;
   bool zeroed = false;  // outputs zeroed early (contexts longer than 2 tokens write them first)
   bool two = false, hash1 = false, hashb = false;
+  bool indexed = false;  // the candidates go through the candidate index (hash1 implied)
   // The counts of the whole child run were requested with its tokens: no per-match requests.
   bool counts1_requested = false, counts2_requested = false;
   uint32_t a = 0, b = 0;  // last and second-to-last context token
@@ -803,13 +844,21 @@ void TrieView::stage_issue(Query& q) const {
   q.sb = ub.s <= ub.e ? ub.s : 0;
   q.eb = ub.s <= ub.e ? ub.e : 0;
   q.inv1 = ua.inv;
-  q.hash1 = q.e1 - q.s1 >= (sizeof(TT) == 2 && kSse2 ? kSegmentMaxRange + 1 : kHashMinRange);
+  q.hash1 = q.e1 - q.s1 >= kHashedRunMin<TT>;
+  q.indexed = q.hash1 && !cand_table_.empty() && cand_table_[q.a] != 0;
   q.hashb = q.eb - q.sb >= kHashMinRange;
   const LevelView& L2 = lv_[2];
   constexpr uint32_t tb = sizeof(TT);
   if (!q.hashb) prefetch_search(L2.tokens, q.sb, q.eb, tb);
   if (q.reuse1) return;
-  if (q.hash1) {
+  if (q.indexed) {
+    const uint64_t table = cand_table_[q.a];
+    const uint64_t first = table >> 8, bits = table & 255;
+    for (size_t i = 0; i < q.n; ++i) {
+      q.slot[i] = first + cand_slot(q.key[i], bits);
+      __builtin_prefetch(cand_slots_.data() + q.slot[i] * 2 * sizeof(TT));
+    }
+  } else if (q.hash1) {
     for (size_t i = 0; i < q.n; ++i) {
       q.slot[i] = hash_slot(q.a, q.key[i], hash_slots_);
       __builtin_prefetch(hash_ + q.slot[i] * 4);
@@ -823,12 +872,83 @@ void TrieView::stage_issue(Query& q) const {
 }
 
 // Stage 2: the hash slots have arrived: request the level-2 nodes they point at (the 2-token
-// context's node, and each candidate's under the 1-token context).
+// context's node, and each candidate's under the 1-token context). Candidates in the candidate
+// index are found here (a slot names its token and position) and their counts requested.
+template <class TT>
 void TrieView::stage_context(Query& q) const {
   if (!q.active) return;
   if (q.hashb) prefetch_candidates(q.slot_ctx, q.sb, q.eb, true);
   if (q.reuse1 || !q.hash1) return;
-  for (size_t c = 0; c < q.n; ++c) prefetch_candidates(q.slot[c], q.s1, q.e1, false);
+  if (!q.indexed) {
+    for (size_t c = 0; c < q.n; ++c) prefetch_candidates(q.slot[c], q.s1, q.e1, false);
+    return;
+  }
+  const LevelView& L2 = lv_[2];
+  const uint64_t table = cand_table_[q.a];
+  const uint64_t first = table >> 8, mask = (1ull << (table & 255)) - 1;
+  const uint8_t* slots = cand_slots_.data();
+  for (size_t c = 0; c < q.n; ++c) {
+    q.found1[c] = kNone;
+    // At most half the slots are full (build_candidate_index_t): the probe ends at an empty one.
+    for (uint64_t i = q.slot[c] - first;; i = (i + 1) & mask) {
+      TT entry[2];  // token, position in the run
+      std::memcpy(entry, slots + (first + i) * sizeof(entry), sizeof(entry));
+      if (entry[1] == kCandEmpty<TT>) break;
+      if (entry[0] == q.key[c]) {
+        q.found1[c] = q.s1 + entry[1];
+        __builtin_prefetch(L2.counts + q.found1[c] * L2.count_bytes);
+        break;
+      }
+    }
+  }
+}
+
+template <class TT>
+void TrieView::build_candidate_index_t() {
+  // Tables of 2^bits >= 2 * children slots (at most half full: short probes) for the contexts
+  // whose candidates would go through the hash; runs of 2^(8 * sizeof(TT)) - 1 or more children
+  // (all of a 2-byte vocabulary) cannot be described by a TT position and stay with the hash.
+  std::vector<uint64_t> table(uni_.size(), 0);
+  uint64_t total = 0;
+  for (size_t tok = 0; tok < uni_.size(); ++tok) {
+    const Unigram& u = uni_[tok];
+    if (u.s > u.e || u.e - u.s < kHashedRunMin<TT> || u.e - u.s >= kCandEmpty<TT>) continue;
+    uint64_t bits = 1;
+    while ((1ull << bits) < 2 * (u.e - u.s)) ++bits;
+    table[tok] = total << 8 | bits;
+    total += 1ull << bits;
+  }
+  if (total == 0) return;
+  HugeBuffer slots(total * 2 * sizeof(TT));
+  uint8_t* base = slots.data();
+  const TT empty[2] = {0, kCandEmpty<TT>};
+  for (uint64_t i = 0; i < total; ++i) std::memcpy(base + i * sizeof(empty), empty, sizeof(empty));
+  for (size_t tok = 0; tok < uni_.size(); ++tok) {
+    if (!table[tok]) continue;
+    const Unigram& u = uni_[tok];
+    const uint64_t first = table[tok] >> 8, bits = table[tok] & 255, mask = (1ull << bits) - 1;
+    for (uint64_t j = u.s; j < u.e; ++j) {
+      const TT entry[2] = {static_cast<TT>(token_at(lv_[2], j)), static_cast<TT>(j - u.s)};
+      uint64_t i = cand_slot(entry[0], bits);
+      TT seen[2];
+      for (;; i = (i + 1) & mask) {
+        std::memcpy(seen, base + (first + i) * sizeof(seen), sizeof(seen));
+        if (seen[1] == kCandEmpty<TT>) break;
+      }
+      std::memcpy(base + (first + i) * sizeof(entry), entry, sizeof(entry));
+    }
+  }
+  slots.make_read_only();
+  cand_table_ = std::move(table);
+  cand_slots_ = std::move(slots);
+}
+
+void TrieView::build_candidate_index() {
+  if (uni_.empty() || !cand_table_.empty()) return;
+  if (hdr_.token_bytes == 2)
+    build_candidate_index_t<uint16_t>();
+  else
+    build_candidate_index_t<uint32_t>();
 }
 
 // Every entry of the probe sequence from slot `i` that is a child of the right parent ([s, e)) is
@@ -917,7 +1037,7 @@ void TrieView::stage_search(Query& q) const {
   if (!q.active) return;
   // The candidates' level-2 data was requested a stage earlier than the level-3 run: searching
   // it first overlaps that work with the run's arrival.
-  if (!q.reuse1) {
+  if (!q.reuse1 && !q.indexed) {
     if (q.hash1) {
       for (size_t i = 0; i < q.n; ++i)
         q.found1[i] = probe_slots<TT>(hash_, hash_slots_, hash_max_probe_, q.slot[i], q.key[i], q.s1, q.e1,
@@ -1013,7 +1133,7 @@ bool TrieView::run_batch(const Batch& B, std::vector<size_t>* bad_rows) const {
     }
     if (t >= 3 && t - 3 < total) stage_search<TT>(ring[(t - 3) % kDepth]);
     if (t >= 2 && t - 2 < total) stage_children<TT>(ring[(t - 2) % kDepth]);
-    if (t >= 1 && t - 1 < total) stage_context(ring[(t - 1) % kDepth]);
+    if (t >= 1 && t - 1 < total) stage_context<TT>(ring[(t - 1) % kDepth]);
     if (t < total) {
       Query& q = ring[t % kDepth];
       size_t r, b0;
@@ -1130,7 +1250,7 @@ bool TrieView::run_one(const int32_t* ctx, size_t len, const int32_t* tokens, si
   q.probs = probs;
   q.matched = matched;
   stage_issue<TT>(q);
-  stage_context(q);
+  stage_context<TT>(q);
   stage_children<TT>(q);
   stage_search<TT>(q);
   Level1Cache unused;  // only queries that share level-1 answers touch it
