@@ -765,6 +765,8 @@ struct TrieView::Query {
   bool zeroed = false;  // outputs zeroed early (contexts longer than 2 tokens write them first)
   bool two = false, hash1 = false, hashb = false;
   bool indexed = false;  // the candidates go through the candidate index (hash1 implied)
+  bool ctx_indexed = false;  // the 2-token context's node is found through the candidate index
+  uint64_t node_ctx = 0;     // that node (kNone: absent)
   // The counts of the whole child run were requested with its tokens: no per-match requests.
   bool counts1_requested = false, counts2_requested = false;
   uint32_t a = 0, b = 0;  // last and second-to-last context token
@@ -823,7 +825,13 @@ void TrieView::stage_issue(Query& q) const {
   // The 2-token context's slot starts the longest chain of misses (slot, node, children, counts):
   // requested before anything is read. The unigram entries may miss too (786 KB for SmolLM2);
   // the keys are computed while they arrive.
-  if (q.two) {
+  q.ctx_indexed = q.two && !cand_table_.empty() && cand_table_[q.b] != 0;
+  if (q.ctx_indexed) {
+    const uint64_t table = cand_table_[q.b];
+    q.slot_ctx = (table >> 8) + cand_slot(q.a, table & 255);
+    __builtin_prefetch(cand_slots_.data() + q.slot_ctx * 2 * sizeof(TT));
+    __builtin_prefetch(&uni_[q.b]);
+  } else if (q.two) {
     q.slot_ctx = hash_slot(q.b, q.a, hash_slots_);
     __builtin_prefetch(hash_ + q.slot_ctx * 4);
     __builtin_prefetch(&uni_[q.b]);
@@ -877,7 +885,16 @@ void TrieView::stage_issue(Query& q) const {
 template <class TT>
 void TrieView::stage_context(Query& q) const {
   if (!q.active) return;
-  if (q.hashb) prefetch_candidates(q.slot_ctx, q.sb, q.eb, true);
+  if (q.ctx_indexed) {
+    const uint64_t at = cand_lookup<TT>(cand_table_[q.b], q.slot_ctx, q.a);
+    q.node_ctx = at == kNone ? kNone : q.sb + at;
+    if (at != kNone) {
+      __builtin_prefetch(lv_[2].child + q.node_ctx * lv_[2].child_bytes);
+      __builtin_prefetch(lv_[2].counts + q.node_ctx * lv_[2].count_bytes);
+    }
+  } else if (q.hashb) {
+    prefetch_candidates(q.slot_ctx, q.sb, q.eb, true);
+  }
   if (q.reuse1 || !q.hash1) return;
   if (!q.indexed) {
     for (size_t c = 0; c < q.n; ++c) prefetch_candidates(q.slot[c], q.s1, q.e1, false);
@@ -885,21 +902,24 @@ void TrieView::stage_context(Query& q) const {
   }
   const LevelView& L2 = lv_[2];
   const uint64_t table = cand_table_[q.a];
-  const uint64_t first = table >> 8, mask = (1ull << (table & 255)) - 1;
-  const uint8_t* slots = cand_slots_.data();
   for (size_t c = 0; c < q.n; ++c) {
-    q.found1[c] = kNone;
-    // At most half the slots are full (build_candidate_index_t): the probe ends at an empty one.
-    for (uint64_t i = q.slot[c] - first;; i = (i + 1) & mask) {
-      TT entry[2];  // token, position in the run
-      std::memcpy(entry, slots + (first + i) * sizeof(entry), sizeof(entry));
-      if (entry[1] == kCandEmpty<TT>) break;
-      if (entry[0] == q.key[c]) {
-        q.found1[c] = q.s1 + entry[1];
-        __builtin_prefetch(L2.counts + q.found1[c] * L2.count_bytes);
-        break;
-      }
-    }
+    const uint64_t at = cand_lookup<TT>(table, q.slot[c], q.key[c]);
+    q.found1[c] = at == kNone ? kNone : q.s1 + at;
+    if (at != kNone) __builtin_prefetch(L2.counts + q.found1[c] * L2.count_bytes);
+  }
+}
+
+// Position of `key` in the child run of the context whose index table is `table` (its
+// cand_table_ entry), probing from `slot` (kNone: absent).
+template <class TT>
+uint64_t TrieView::cand_lookup(uint64_t table, uint64_t slot, uint32_t key) const {
+  const uint64_t first = table >> 8, mask = (1ull << (table & 255)) - 1;
+  // At most half the slots are full (build_candidate_index_t): the probe ends at an empty one.
+  for (uint64_t i = slot - first;; i = (i + 1) & mask) {
+    TT entry[2];  // token, position in the run
+    std::memcpy(entry, cand_slots_.data() + (first + i) * sizeof(entry), sizeof(entry));
+    if (entry[1] == kCandEmpty<TT>) return kNone;
+    if (entry[0] == key) return entry[1];
   }
 }
 
@@ -983,7 +1003,9 @@ void TrieView::stage_children(Query& q) const {
   q.counts2_requested = false;
   if (q.eb > q.sb) {
     uint64_t node = kNone;
-    if (q.hashb)
+    if (q.ctx_indexed)
+      node = q.node_ctx;
+    else if (q.hashb)
       node = probe_slots<TT>(hash_, hash_slots_, hash_max_probe_, q.slot_ctx, q.a, q.sb, q.eb, L2.tokens);
     else if (!search_tokens<TT>(L2.tokens, q.sb, q.eb, q.a, node))
       node = kNone;

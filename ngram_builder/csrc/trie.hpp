@@ -141,6 +141,8 @@ class TrieView : public dart::NgramQuery {
   void stage_context(Query& q) const;
   template <class TT>
   void build_candidate_index_t();
+  template <class TT>
+  uint64_t cand_lookup(uint64_t table, uint64_t slot, uint32_t key) const;
   void prefetch_candidates(uint64_t slot, uint64_t s, uint64_t e, bool with_children) const;
   template <class TT>
   void stage_children(Query& q) const;
