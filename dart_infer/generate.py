@@ -348,12 +348,13 @@ def load_draft_model(path: str | Path, *, dtype: torch.dtype | None = None) -> D
     return model
 
 
-def load_trie(path: str | Path, is_small_ngram: bool = False) -> Any:
+def load_trie(path: str | Path, is_small_ngram: bool = False, mmap: bool = True) -> Any:
     """An `ngram_builder.NgramTrie` from a file, or from a directory holding full/small tries.
 
     In a directory (the authors' release layout, or a `dart-ngram` output dir) `is_small_ngram`
     picks small over full, and for the same size the compact `.ngt` wins over the original `.trie`
-    (memory-mapped: sub-ms load instead of seconds).
+    (memory-mapped: sub-ms load instead of seconds). `mmap=False` reads a compact trie into memory
+    with its query index instead (faster queries, see `NgramTrie.load`).
     """
     from ngram_builder import NgramTrie
 
@@ -368,7 +369,7 @@ def load_trie(path: str | Path, is_small_ngram: bool = False) -> Any:
         location = found[0]
     elif not location.is_file():
         raise FileNotFoundError(f"n-gram trie not found: {location}")
-    return NgramTrie.open(location)  # either format: the project's compact one or the original
+    return NgramTrie.open(location, mmap=mmap)  # either format: the project's compact one or the original
 
 
 class DartModel(nn.Module):
@@ -413,13 +414,15 @@ class DartModel(nn.Module):
         ngram_model_name_or_path: str | None = None,
         is_small_ngram: bool = False,
         *,
+        ngram_mmap: bool = True,
         tree: TreeSearchSettings | Mapping[str, Any] | None = None,
         profile: bool = False,
         **kwargs: Any,
     ) -> DartModel:
         """Load base model (kwargs such as `torch_dtype`/`dtype`, `device_map` go to its loader),
         tokenizer, head and trie. Names go through `dart_infer.assets.resolve_model`, so the
-        embedded "smollm2-135m-instruct" works offline."""
+        embedded "smollm2-135m-instruct" works offline. `ngram_mmap=False` reads the trie into
+        memory with its query index (faster trie queries, slower load; see `NgramTrie.load`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dart_infer.assets import resolve_model
@@ -433,7 +436,7 @@ class DartModel(nn.Module):
         draft = draft.to(device=weight.device, dtype=weight.dtype)
         trie = None
         if ngram_model_name_or_path is not None:
-            trie = load_trie(resolve_model(ngram_model_name_or_path), is_small_ngram)
+            trie = load_trie(resolve_model(ngram_model_name_or_path), is_small_ngram, mmap=ngram_mmap)
         model = cls(base_model, draft, tokenizer, trie, tree=tree, profile=profile)
         return model.eval()
 

@@ -315,6 +315,8 @@ def test_load_trie_prefers_the_requested_size_then_the_compact_format(tmp_path: 
         if name == "full":
             trie.save(tmp_path / "full.ngt")
     assert load_trie(tmp_path).probability([5, 6], [7])[0] == [1.0]  # full.ngt
+    in_memory = load_trie(tmp_path, mmap=False)  # read in with its query index, not mapped
+    assert in_memory.info()["memory_mapped"] is False and in_memory.probability([5, 6], [7])[0] == [1.0]
     assert load_trie(tmp_path, is_small_ngram=True).probability([8], [9])[0] == [1.0]  # small.trie
     (tmp_path / "full.ngt").unlink()
     assert load_trie(tmp_path).num_nodes == NgramTrie.load_dart(tmp_path / "full.trie").num_nodes

@@ -35,7 +35,8 @@ def load_model(cfg: DictConfig) -> Any:
     dtype = getattr(torch, cfg.model.dtype)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     return DartModel.from_pretrained(
-        resolve_model(cfg.model.name_or_path), cfg.draft_model, cfg.ngram_model, dtype=dtype, tree=tree
+        resolve_model(cfg.model.name_or_path), cfg.draft_model, cfg.ngram_model, dtype=dtype, tree=tree,
+        ngram_mmap=bool(cfg.ngram_mmap)
     )
 
 
