@@ -199,7 +199,8 @@ def query_bench(path: Path, flat: np.ndarray, offsets: np.ndarray, n: int = 20_0
            "batch_us": min(batch_wall), "batch_cpu_us": min(batch_cpu), "python_call_us": py_us,
            "python_call_cpu_us": py_cpu_us, "hit_rate_true_next": float((m[:, 0] > 0).mean()),
            "matched_sum": int(m.sum()), "prob_sum": float(p.astype(np.float64).sum()), "queries": len(ctx),
-           "huge_pages_granted": huge_granted, "candidate_index_bytes": trie_mem.info()["candidate_index_bytes"]}
+           "huge_pages_granted": huge_granted, "candidate_index_bytes": trie_mem.info()["candidate_index_bytes"],
+           "mem_ram_bytes": trie_mem.nbytes}
     # Times in ns (wall, thread CPU) per query -> µs; minimum over passes.
     for name, prefix in (("mmap", ""), ("mem", "mem_"), ("baseline", "baseline_")):
         if single.get(name):
@@ -253,15 +254,16 @@ def memory_line(q: dict) -> str:
 
 def query_breakdown(out: Path, trie_path: Path, passes: int) -> None:
     """Where a query's time goes: the same queries with parts removed, timed interleaved in one
-    process (minimum over passes, thread CPU time). The 2-token part is the chain slot -> level-2
-    node -> level-3 run; the 1-token part is 25 independent hash or run lookups."""
+    process (minimum over passes, thread CPU time), for the default load and for mmap=False. The
+    2-token part is the chain slot -> level-2 node -> level-3 run; the 1-token part is 25
+    independent hash, index or run lookups."""
     from ngram_builder import _core
 
     data = np.load(out / "ids.npz")
     ctx, cand = query_set(data["flat"], data["offsets"])
-    trie = _core.Trie.load(str(trie_path))
+    loads = {"mmap": _core.Trie.load(str(trie_path)), "mmap=False": _core.Trie.load(str(trie_path), False, True)}
     uniform = cand.copy()
-    uniform[:, 1:] = np.random.default_rng(1).integers(0, trie.info()["vocab_size"], size=(len(cand), 24))
+    uniform[:, 1:] = np.random.default_rng(1).integers(0, loads["mmap"].info()["vocab_size"], size=(len(cand), 24))
     variants = {
         "full query (2-token context, 25 candidates)": (ctx, cand, 2),
         "2-token context, 1 candidate": (ctx, cand[:, :1], 2),
@@ -270,15 +272,17 @@ def query_breakdown(out: Path, trie_path: Path, passes: int) -> None:
         "1-token context, 1 candidate": (ctx[:, 1:], cand[:, :1], 2),
         "full query, 200 queries repeated (cache-resident)": (ctx[:200], cand[:200], 100),
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
+    times: dict[tuple[str, str], list[float]] = {}
     for _ in range(passes):
         for name, (c, k, repeats) in variants.items():
             c, k = np.ascontiguousarray(c), np.ascontiguousarray(k)
-            times[name].append(trie.bench_queries(c, k, repeats)[1] / 1000)
+            for load, trie in loads.items():
+                times.setdefault((name, load), []).append(trie.bench_queries(c, k, repeats)[1] / 1000)
     dep_ns, ind_ns = _core.bench_memory(256.0)
     print(f"trie {trie_path}; {dep_ns:.0f} ns per dependent DRAM read, {ind_ns:.1f} ns per independent read")
-    for name, t in times.items():
-        print(f"{name:58s} {min(t):.3f} µs CPU")
+    print(f"{'µs CPU per query':58s} {'mmap':>8s} {'mmap=False':>11s}")
+    for name in variants:
+        print(f"{name:58s} {min(times[name, 'mmap']):8.3f} {min(times[name, 'mmap=False']):11.3f}")
 
 
 def load_bench(path: Path, repeats: int = 20, mmap: bool = True) -> float:
@@ -356,7 +360,8 @@ def main() -> None:
     rows = [
         ("nodes", f"{ANCHOR['nodes']:,} (all conversations)", f"{nodes:,} (train split)"),
         ("bytes/node on disk", f"{ANCHOR['disk_bytes_per_node']:.0f}", f"{disk / nodes:.2f} ({disk / 2**20:.1f} MiB)"),
-        ("bytes/node in RAM", f"~{ANCHOR['ram_bytes_per_node']:.0f}", f"{ram / nodes:.2f} (mmap + level-1 index)"),
+        ("bytes/node in RAM", f"~{ANCHOR['ram_bytes_per_node']:.0f}",
+         f"{ram / nodes:.2f} (mmap + level-1 index); {q['mem_ram_bytes'] / nodes:.2f} with mmap=False"),
         ("load", f"{ANCHOR['load_s']:.2f} s", f"{load_s * 1e3:.2f} ms (mmap; header + table checks); "
          f"{load_mem_s * 1e3:.1f} ms with mmap=False (a copy + candidate index)"),
         ("query, 2-token ctx, 25 cand.", f"{ANCHOR['query_us']:.1f} µs",
