@@ -1252,15 +1252,17 @@ bool TrieView::probability_checked(const int32_t* context, size_t context_len, c
   if (uni_.empty()) return probability_generic(context, context_len, tokens, n, probs, matched);
   // Only the last order - 1 tokens are read.
   const size_t len = std::min(static_cast<size_t>(hdr_.order) - 1, context_len);
-  if (n <= kBlock) return hdr_.token_bytes == 2 ? run_one<uint16_t>(context + context_len - len, len, tokens, n, probs, matched)
-                                                : run_one<uint32_t>(context + context_len - len, len, tokens, n, probs, matched);
+  const int32_t* last = context + context_len - len;
+  if (n <= kBlock)
+    return hdr_.token_bytes == 2 ? run_one<uint16_t>(last, len, tokens, n, probs, matched)
+                                 : run_one<uint32_t>(last, len, tokens, n, probs, matched);
   const int32_t len32 = static_cast<int32_t>(len);
-  const Batch b{context + context_len - len, 0, &len32, 1, tokens, 0, n, probs, matched, nullptr};
+  const Batch b{last, 0, &len32, 1, tokens, 0, n, probs, matched, nullptr};
   return hdr_.token_bytes == 2 ? run_batch<uint16_t>(b, nullptr) : run_batch<uint32_t>(b, nullptr);
 }
 
 // One query (at most kBlock candidates): the stages back to back, without run_batch's pipeline
-// bookkeeping (~300 instructions, 7% of a query).
+// bookkeeping (~300 instructions; single queries ~4% faster).
 template <class TT>
 bool TrieView::run_one(const int32_t* ctx, size_t len, const int32_t* tokens, size_t n, float* probs,
                        int32_t* matched) const {
