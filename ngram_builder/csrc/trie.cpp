@@ -2,13 +2,13 @@
 #include "trie.hpp"
 
 #include <algorithm>
-#include <utility>
 #include <cerrno>
 #include <cstdio>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <utility>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -66,22 +66,20 @@ std::shared_ptr<Image> Image::from_memory(std::vector<uint64_t>&& words, uint64_
 std::shared_ptr<Image> Image::map_file(const std::string& path, bool in_memory) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw IoError("cannot open '" + path + "': " + std::strerror(errno));
+  struct CloseOnExit {
+    int fd;
+    ~CloseOnExit() { ::close(fd); }  // a mapping outlives its descriptor
+  } closer{fd};
   struct stat st {};
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw IoError("'" + path + "' is not a regular file");
-  }
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) throw IoError("'" + path + "' is not a regular file");
   uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < kHeaderBytes) {
-    ::close(fd);
+  if (size < kHeaderBytes)
     throw FormatError("'" + path + "' is too small to be a compact n-gram trie (" + std::to_string(size) +
                       " bytes)");
-  }
   std::shared_ptr<Image> img(new Image());
   img->size_ = size;
   if (!in_memory) {
     void* p = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    ::close(fd);
     if (p == MAP_FAILED) throw IoError("cannot map '" + path + "': " + std::strerror(errno));
     img->map_ = p;
     img->map_len_ = size;
@@ -91,22 +89,17 @@ std::shared_ptr<Image> Image::map_file(const std::string& path, bool in_memory) 
   try {
     img->copy_ = HugeBuffer(size);
   } catch (const IoError& e) {
-    ::close(fd);
     throw IoError("cannot read '" + path + "' into memory: " + e.what());
   }
   uint8_t* dst = img->copy_.data();
-  uint64_t done = 0;
-  while (done < size) {
+  for (uint64_t done = 0; done < size;) {
     const ssize_t got = ::pread(fd, dst + done, std::min<uint64_t>(size - done, 1ull << 30), static_cast<off_t>(done));
     if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) {
-      const std::string why = got < 0 ? std::strerror(errno) : "the file became shorter while being read";
-      ::close(fd);
-      throw IoError("cannot read '" + path + "': " + why);
-    }
+    if (got <= 0)
+      throw IoError("cannot read '" + path + "': " +
+                    (got < 0 ? std::strerror(errno) : "the file became shorter while being read"));
     done += static_cast<uint64_t>(got);
   }
-  ::close(fd);
   img->copy_.make_read_only();
   img->data_ = dst;
   return img;
@@ -665,6 +658,8 @@ constexpr TT kCandEmpty = static_cast<TT>(~TT{0});
 inline uint64_t cand_slot(uint32_t token, uint64_t bits) {
   return (static_cast<uint64_t>(token) * 0x9E3779B97F4A7C15ull) >> (64 - bits);
 }
+// A context's cand_table_ entry is its first slot << 8 | log2(its slots): the home slot of `key`.
+inline uint64_t cand_home(uint64_t table, uint32_t key) { return (table >> 8) + cand_slot(key, table & 255); }
 // Hash probes looked at when prefetching a lookup's possible matches (longer sequences are rare).
 constexpr uint64_t kPrefetchProbes = 4;
 
@@ -827,15 +822,13 @@ void TrieView::stage_issue(Query& q) const {
   // the keys are computed while they arrive.
   q.ctx_indexed = q.two && !cand_table_.empty() && cand_table_[q.b] != 0;
   if (q.ctx_indexed) {
-    const uint64_t table = cand_table_[q.b];
-    q.slot_ctx = (table >> 8) + cand_slot(q.a, table & 255);
-    __builtin_prefetch(cand_slots_.data() + q.slot_ctx * 2 * sizeof(TT));
-    __builtin_prefetch(&uni_[q.b]);
+    q.slot_ctx = cand_home(cand_table_[q.b], q.a);
+    __builtin_prefetch(cand_entry<TT>(q.slot_ctx));
   } else if (q.two) {
     q.slot_ctx = hash_slot(q.b, q.a, hash_slots_);
     __builtin_prefetch(hash_ + q.slot_ctx * 4);
-    __builtin_prefetch(&uni_[q.b]);
   }
+  if (q.two) __builtin_prefetch(&uni_[q.b]);
   __builtin_prefetch(&uni_[q.a]);
   // A negative id becomes >= 2^31 >= V as unsigned: one compare rejects both kinds.
   const uint32_t v32 = static_cast<uint32_t>(V);
@@ -861,10 +854,9 @@ void TrieView::stage_issue(Query& q) const {
   if (q.reuse1) return;
   if (q.indexed) {
     const uint64_t table = cand_table_[q.a];
-    const uint64_t first = table >> 8, bits = table & 255;
     for (size_t i = 0; i < q.n; ++i) {
-      q.slot[i] = first + cand_slot(q.key[i], bits);
-      __builtin_prefetch(cand_slots_.data() + q.slot[i] * 2 * sizeof(TT));
+      q.slot[i] = cand_home(table, q.key[i]);
+      __builtin_prefetch(cand_entry<TT>(q.slot[i]));
     }
   } else if (q.hash1) {
     for (size_t i = 0; i < q.n; ++i) {
@@ -917,7 +909,7 @@ uint64_t TrieView::cand_lookup(uint64_t table, uint64_t slot, uint32_t key) cons
   // At most half the slots are full (build_candidate_index_t): the probe ends at an empty one.
   for (uint64_t i = slot - first;; i = (i + 1) & mask) {
     TT entry[2];  // token, position in the run
-    std::memcpy(entry, cand_slots_.data() + (first + i) * sizeof(entry), sizeof(entry));
+    std::memcpy(entry, cand_entry<TT>(first + i), sizeof(entry));
     if (entry[1] == kCandEmpty<TT>) return kNone;
     if (entry[0] == key) return entry[1];
   }

@@ -143,6 +143,9 @@ class TrieView : public dart::NgramQuery {
   void build_candidate_index_t();
   template <class TT>
   uint64_t cand_lookup(uint64_t table, uint64_t slot, uint32_t key) const;
+  // Candidate-index slot `slot`: (token, position in the run), two TT each.
+  template <class TT>
+  const uint8_t* cand_entry(uint64_t slot) const { return cand_slots_.data() + slot * 2 * sizeof(TT); }
   void prefetch_candidates(uint64_t slot, uint64_t s, uint64_t e, bool with_children) const;
   template <class TT>
   void stage_children(Query& q) const;
