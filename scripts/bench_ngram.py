@@ -1,8 +1,9 @@
 """Benchmark the n-gram trie against the original DART trie's measured numbers (anchors.md).
 
 ShareGPT train split, SmolLM2 tokenizer, order 3. Prints a markdown table:
-bytes/node on disk and in RAM, load time, µs per 25-candidate query (single, batched), build
-throughput and peak RSS (counting from token ids, in a child process), tokenization time.
+bytes/node on disk and in RAM, load time, µs per 25-candidate query (single, batched; for the
+default memory-mapped load and for `mmap=False`, timed interleaved), build throughput and peak RSS
+(counting from token ids, in a child process), tokenization time.
 
     python scripts/bench_ngram.py [--out runs/bench_ngram] [--limit N] [--reuse-ids]
     python scripts/bench_ngram.py --query-only [--trie runs/ngram/sharegpt/full.ngt]  # queries only
