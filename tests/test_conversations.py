@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from dart_infer.conversations import Conversation, is_heldout, load_conversations
+from dart_infer.conversations import (
+    Conversation,
+    is_heldout,
+    load_conversations,
+    sharegpt_heldout_ids,
+    source_conversation,
+)
 
 
 def _roles(conversation: Conversation) -> list[str]:
@@ -38,6 +44,39 @@ def test_sharegpt_split_is_fixed_and_disjoint(sharegpt_all: list[Conversation]) 
     assert 0.01 < len(heldout) / len(sharegpt_all) < 0.03
     assert all(is_heldout(c.id) for c in heldout)
     assert [c.id for c in load_conversations("sharegpt", split="heldout", limit=5)] == [c.id for c in heldout[:5]]
+
+
+def _opener(conversation: Conversation) -> str | None:
+    user = next((m["content"] for m in conversation.messages if m["role"] == "user"), None)
+    return None if user is None else " ".join(user.split())
+
+
+def test_sharegpt_split_keeps_conversations_and_prompts_on_one_side() -> None:
+    train = load_conversations("sharegpt", split="train")
+    heldout = load_conversations("sharegpt", split="heldout")
+    # Chunks `<conversation>_<n>` of one source conversation never straddle the split ...
+    assert not {source_conversation(c.id) for c in train} & {source_conversation(c.id) for c in heldout}
+    # ... and no held-out first user turn is also a training conversation's first user turn.
+    assert not ({_opener(c) for c in train} & {_opener(c) for c in heldout}) - {None}
+    assert {c.id for c in heldout} == sharegpt_heldout_ids(train + heldout)
+
+
+def test_heldout_split_rules_on_small_data() -> None:
+    def conv(cid: str, opener: str) -> Conversation:
+        return Conversation(cid, [{"role": "user", "content": opener}, {"role": "assistant", "content": "x"}], "t")
+
+    assert source_conversation("abc_12") == "abc" and source_conversation("a_b") == "a_b"
+    assert source_conversation("plain") == "plain"
+    sources = [f"s{i}" for i in range(400)]
+    held = [s for s in sources if is_heldout(s)]
+    kept, leaky = held[0], held[1]
+    rows = [conv(f"{s}_0", f"opener {s}") for s in sources]
+    rows += [conv(f"{kept}_1", f"second  chunk of {kept}"),  # a sibling chunk follows its source
+             conv(f"{leaky}_1", "hi"), conv("s_other_0", " hi ")]  # an opener also on the train side
+    ids = sharegpt_heldout_ids(rows)
+    assert {f"{kept}_0", f"{kept}_1"} <= ids
+    assert not {f"{leaky}_0", f"{leaky}_1"} & ids  # moved to train as a whole, with both chunks
+    assert ids == {f"{s}_{n}" for s in held[2:] for n in (0,)} | {f"{kept}_0", f"{kept}_1"}
 
 
 def test_sharegpt_rejects_unknown_split() -> None:
