@@ -23,7 +23,7 @@ def _compose(name: str, cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 
 def build_trie(cfg: DictConfig) -> Path:
-    from ngram_builder.cli import run_build
+    from dart_infer.cli.ngram import run_build
 
     ngram_cfg = _compose("ngram", cfg, list(cfg.ngram_overrides))
     trie = Path(ngram_cfg.out_dir) / "full.ngt"

@@ -1,7 +1,9 @@
 """Building tries from corpora: text sources, batched tokenization, parallel C++ counting, outputs.
 
-The library takes documents as text from any iterable; `dart-ngram` (ngram_builder.cli) wires the
-configured sources (including conversations read through dart_infer) into `build_tries`.
+The library takes documents as text from any iterable and a function that turns a batch of texts
+into token ids; it knows no model, tokenizer or conversation format. The `dart-ngram` app
+(`dart_infer.cli.ngram`) wires the configured sources, the model's tokenizer and its fingerprint
+string into `build_tries`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import random
 import resource
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -202,7 +204,7 @@ def _batches(it: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _flatten(ids: list[list[int]], eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(ids: Sequence[Sequence[int]], eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
     extra = 0 if eos_id is None else 1
     lengths = np.fromiter((len(x) + extra for x in ids), dtype=np.int64, count=len(ids))
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
@@ -216,24 +218,15 @@ def _flatten(ids: list[list[int]], eos_id: int | None) -> tuple[np.ndarray, np.n
     return flat, offsets
 
 
-def count_tokens(docs: Iterable[tuple[np.ndarray, np.ndarray]], *, order: int, vocab_size: int,
-                 memory_cap_mb: float = 0, spill_dir: str | os.PathLike[str] | None = None,
-                 threads: int = 1) -> Any:
-    """A `_core.SliceCounter` fed with (flat ids, offsets) batches (helper for benchmarks)."""
-    counter = _core.SliceCounter(order, vocab_size, int(memory_cap_mb * 2**20), str(spill_dir or ""), threads)
-    for flat, offsets in docs:
-        counter.add_flat(flat, offsets)
-    return counter
-
-
 def build_tries(
     sources: list[CorpusSource],
-    tokenizer: Any,
+    encode: Callable[[list[str]], Sequence[Sequence[int]]],
     out_dir: str | os.PathLike[str],
     *,
+    vocab_size: int,
+    eos_id: int,
     order: int = 3,
     min_count: int = 2,
-    eos_id: int | None = None,
     fingerprint: str = "",
     memory_cap_mb: float = 0,
     threads: int = 2,
@@ -243,12 +236,15 @@ def build_tries(
     seed: int = 0,
     progress: bool = True,
 ) -> BuildReport:
-    """Tokenize `sources`, count, and write `full.ngt` and the pruned `small.ngt` (plus `full.trie`
-    / `small.trie` in the original format with `write_dart`) into `out_dir`.
+    """Tokenize `sources` with `encode`, count, and write `full.ngt` and the pruned `small.ngt` (plus
+    `full.trie` / `small.trie` in the original format with `write_dart`) into `out_dir`.
 
-    `memory_cap_mb` > 0 bounds the counting buffers: sorted runs and builder columns spill to
-    `out_dir/tmp` and merge from disk; the files are byte-identical to an uncapped build.
-    `eos_id` (default: the tokenizer's EOS) is appended to every document, as in DART.
+    `encode(texts)` returns one list of token ids per text (e.g. a fast tokenizer called on the
+    batch); `vocab_size` is the tokenizer's vocabulary size and `fingerprint` its fingerprint string
+    (stored in the files, checked when a trie is paired with a model). `eos_id` is appended to every
+    document, as in DART. `memory_cap_mb` > 0 bounds the counting buffers: sorted runs and builder
+    columns spill to `out_dir/tmp` and merge from disk; the files are byte-identical to an uncapped
+    build.
     """
     from tqdm.auto import tqdm
 
@@ -256,10 +252,8 @@ def build_tries(
         raise ValueError("no corpus sources configured")
     if min_count < 1:
         raise ValueError(f"min_count must be >= 1, got {min_count}")
-    eos = tokenizer.eos_token_id if eos_id is None else eos_id
-    if eos is None:
-        raise ValueError("the tokenizer has no EOS token; pass eos_id")
-    vocab_size = max(len(tokenizer), int(eos) + 1)
+    eos = int(eos_id)
+    vocab_size = max(int(vocab_size), eos + 1)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     names = ["full.ngt", "small.ngt"] + (["full.trie", "small.trie"] if write_dart else [])
@@ -289,7 +283,7 @@ def build_tries(
             n_docs = n_tok = 0
             for batch in _batches(_weighted_docs(source, seed), batch_docs):
                 t0 = time.perf_counter()
-                ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
+                ids = encode(batch)
                 flat, offsets = _flatten(ids, eos)
                 report.tokenize_s += time.perf_counter() - t0
                 if inflight is not None:

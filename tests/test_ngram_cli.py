@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 
 from dart_infer.assets import tokenizer_fingerprint
 from dart_infer.cli import configs_dir
+from dart_infer.cli.ngram import run
 from ngram_builder import NgramTrie
 from ngram_builder.build import MalformedLineError
-from ngram_builder.cli import run
 
 FIX = Path(__file__).parent / "fixtures"
 WORDS = (["the", "a", "cat", "dog", "sat", "on", "mat", "and", "ran", "to", "house", "big", "small", "red", "blue", "green", "def", "return", "if", "else", "for", "in", "import", "print", "x", "y", "z", "is", "was"])
@@ -174,7 +174,7 @@ def test_convert_and_inspect(tiny_tokenizer_dir: Path, tmp_path: Path, capsys: p
 
 def test_console_script_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ngram_builder.cli", "action=inspect", f"input={FIX / 'golden60.trie'}", "decode=false",
+        [sys.executable, "-m", "dart_infer.cli.ngram", "action=inspect", f"input={FIX / 'golden60.trie'}", "decode=false",
          "context=[359,260]", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=120,
     )

@@ -1,7 +1,9 @@
 """`dart-ngram`: build n-gram tries from configured corpora, convert formats, inspect tries.
 
-An app (not a library module): it may import dart_infer for the tokenizer, model assets and
-conversation loading.
+The app around `ngram_builder`: it resolves the model, loads its tokenizer, reads conversations
+(`dart_infer.conversations`) and hands the library text sources, a function from text to token ids,
+and the tokenizer's fingerprint string. `ngram_builder` itself knows no model and no conversation
+format.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .build import (
+from dart_infer.assets import resolve_model, tokenizer_fingerprint
+from dart_infer.cli import hydra_app
+from ngram_builder import NgramTrie
+from ngram_builder.build import (
     CorpusSource,
     build_tries,
     hf_dataset_texts,
@@ -21,7 +26,6 @@ from .build import (
     source_tree_texts,
     text_file_texts,
 )
-from .trie import NgramTrie
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +34,6 @@ SOURCE_KINDS = ("conversations", "jsonl", "text", "tree", "hf")
 
 def load_tokenizer(cfg: DictConfig) -> Any:
     from transformers import AutoTokenizer
-
-    from dart_infer.assets import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model.name_or_path))
     if not getattr(tok, "is_fast", False):
@@ -88,11 +90,16 @@ def make_sources(cfg: DictConfig, tokenizer: Any) -> list[CorpusSource]:
 
 
 def run_build(cfg: DictConfig) -> dict[str, Any]:
-    from dart_infer.assets import tokenizer_fingerprint
-
     tokenizer = load_tokenizer(cfg)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token (appended to every document, as in DART)")
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
     report = build_tries(
-        make_sources(cfg, tokenizer), tokenizer, cfg.out_dir, order=int(cfg.order), min_count=int(cfg.min_count),
+        make_sources(cfg, tokenizer), encode, cfg.out_dir, vocab_size=len(tokenizer),
+        eos_id=int(tokenizer.eos_token_id), order=int(cfg.order), min_count=int(cfg.min_count),
         fingerprint=tokenizer_fingerprint(tokenizer), memory_cap_mb=float(cfg.memory_cap_mb),
         threads=int(cfg.threads), batch_docs=int(cfg.batch_docs), write_dart=bool(cfg.write_dart),
         overwrite=bool(cfg.overwrite), seed=int(cfg.seed), progress=bool(cfg.progress),
@@ -140,8 +147,6 @@ def run_inspect(cfg: DictConfig) -> dict[str, Any]:
                 raise
             log.warning("cannot load the tokenizer to decode tokens (%s)", e)
     if tokenizer is not None:
-        from dart_infer.assets import tokenizer_fingerprint
-
         fp = tokenizer_fingerprint(tokenizer)
         if trie.tokenizer_fingerprint and trie.tokenizer_fingerprint != fp:
             print(f"  WARNING: trie fingerprint {trie.tokenizer_fingerprint} != model tokenizer {fp}")
@@ -169,8 +174,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def main() -> None:
-    from dart_infer.cli import hydra_app
-
     hydra_app("ngram")(run)()
 
 
