@@ -16,7 +16,7 @@ $(VENV)/.deps-stamp: pyproject.toml constraints.txt
 	# torch first, so nothing below pulls a CUDA build; this takes the CPU wheel on this machine.
 	$(PIP) install -q -c constraints.txt torch
 	$(PIP) install -q -c constraints.txt "transformers" "tokenizers" "datasets" "deepspeed" \
-	    "hydra-core" "omegaconf" "safetensors" "numpy" "tqdm" "gguf" "accelerate" \
+	    "hydra-core" "omegaconf" "safetensors" "numpy" "tqdm" "gguf" "accelerate" "filelock" \
 	    "wandb" "matplotlib" "pybind11" "scikit-build-core" "pytest" "ruff"
 	$(PIP) install -q --no-deps $(ASSETS)
 	touch $@

@@ -13,17 +13,19 @@ corrupted entry is detected and rebuilt.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
+
+# sha256_file: also imported from here by older callers; its home is dart_infer.files.
+from dart_infer.files import atomic_directory, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +91,7 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> str:
     gguf = asset_path(embedded.package, embedded.module, embedded.gguf_file)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several processes (tests, a launcher's ranks) may resolve at once: one converts, the others wait.
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with FileLock(target.parent / f".{target.name}.lock"):
         if not _cache_entry_is_valid(target):
             if target.exists():
                 log.warning("Cache entry %s is incomplete or corrupt; rebuilding it.", target)
@@ -104,8 +105,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("Converting %s into a transformers checkpoint at %s (one time).", gguf.name, target)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_directory(target) as staging:
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config and weights.
@@ -123,20 +123,6 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         _write_manifest(staging, source=gguf)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_manifest(directory: Path, source: Path) -> None:
