@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "DartModel": "dart_infer.generate",
-    "TreeSearchSettings": "dart_infer.generate",
-    "GenerationStats": "dart_infer.generate",
+    "TreeSearchSettings": "dart_infer.tree",
+    "GenerationStats": "dart_infer.stats",
     "DartDraftConfig": "dart_infer.model",
     "DartDraftModel": "dart_infer.model",
     "TargetModel": "dart_infer.target",
@@ -28,9 +28,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from dart_infer.generate import DartModel, GenerationStats, TreeSearchSettings
+    from dart_infer.generate import DartModel
     from dart_infer.model import DartDraftConfig, DartDraftModel
+    from dart_infer.stats import GenerationStats
     from dart_infer.target import TargetModel
+    from dart_infer.tree import TreeSearchSettings
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from dart_infer.conversations import Conversation
-from dart_infer.generate import DartModel, TreeSearchSettings
+from dart_infer.generate import DartModel
+from dart_infer.tree import TreeSearchSettings
 
 log = logging.getLogger(__name__)
 

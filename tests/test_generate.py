@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel, TreeSearchSettings
-from dart_infer.generate import greedy_accept
+from dart_infer.sampling import greedy_accept
 
 COMMON = dict(
     vocab_size=48,
@@ -304,7 +304,7 @@ def test_smollm2_rejects_a_trie_from_another_tokenizer(smollm2_dir: str, smollm2
 
 
 def test_load_trie_prefers_the_requested_size_then_the_compact_format(tmp_path: Path) -> None:
-    from dart_infer.generate import load_trie
+    from dart_infer.loading import load_trie
     from ngram_builder import NgramTrie
 
     for name, docs in (("full", [[5, 6, 7, 2]]), ("small", [[8, 9, 2]])):

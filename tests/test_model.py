@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
-from dart_infer.generate import load_draft_model
+from dart_infer.loading import load_draft_model
 from dart_infer.model import CHECKPOINT_KEYS, DartDraftConfig, DartDraftModel, DraftKVCache, causal_mask
 
 

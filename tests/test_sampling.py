@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-from dart_infer.generate import Sampler, sampling_accept
+from dart_infer.sampling import Sampler, sampling_accept
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:

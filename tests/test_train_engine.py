@@ -136,7 +136,7 @@ def test_training_reduces_loss_and_export_has_author_keys(target, dataset, tmp_p
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     # On disk draft_length counts mask positions, as in the authors' config.json (d - 1).
     assert config["draft_length"] == 3 and config["draft_vocab_size"] == 48
-    from dart_infer.generate import load_draft_model
+    from dart_infer.loading import load_draft_model
 
     assert load_draft_model(tmp_path / "head").config.draft_length == 4
 

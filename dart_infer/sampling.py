@@ -1,0 +1,144 @@
+"""The target's token distribution and the two lossless acceptance rules over a verified tree.
+
+- `Sampler`: temperature, top-k and top-p through transformers' own logits warpers (the ones
+  `generate()` applies, in its order), plus the draws and the greedy choice;
+- `greedy_accept`: the longest root-to-leaf path that matches the target's argmax;
+- `sampling_accept`: the multi-candidate rule (try each child x with probability p(x), on
+  rejection set p(x) = 0 and renormalise, sample the bonus from what is left), so emitted tokens
+  follow the target's processed distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+__all__ = ["GREEDY_TEMPERATURE", "Sampler", "greedy_accept", "sampling_accept", "tree_children"]
+
+# Below this temperature decoding is greedy (as in the authors' and EAGLE's code).
+GREEDY_TEMPERATURE = 1e-5
+
+
+class Sampler:
+    """The target's token distribution after temperature, top-k and top-p (0 disables each)."""
+
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 <= top_p <= 1.0:
+            raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.top_k = int(top_k)
+        self.generator = generator
+        # generate()'s order: temperature, then top-k, then top-p. Called directly rather than
+        # through a LogitsProcessorList, which inspects every processor's signature on each call.
+        self._warpers: list[TemperatureLogitsWarper | TopKLogitsWarper | TopPLogitsWarper] = []
+        if self.temperature > 0:
+            self._warpers.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k > 0:
+            self._warpers.append(TopKLogitsWarper(self.top_k))
+        if 0.0 < self.top_p < 1.0:
+            self._warpers.append(TopPLogitsWarper(self.top_p))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Probabilities [..., V] (float32) of the processed distribution (temperature > 0)."""
+        if self.temperature == 0:
+            raise ValueError("a temperature-0 (greedy) sampler has no distribution to sample from")
+        scores = logits.float().reshape(-1, logits.shape[-1])  # the warpers take [batch, V]
+        for warper in self._warpers:
+            scores = warper(None, scores)
+        return torch.softmax(scores, dim=-1).reshape(logits.shape)
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator).item())
+
+    def select(self, logits: torch.Tensor) -> int:
+        """The next token from one logit row: argmax when greedy, else a draw."""
+        if self.greedy:
+            return int(torch.argmax(logits).item())
+        return self.draw(self.probs(logits))
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor, retrieve_indices: torch.Tensor, logits: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """Longest root-to-leaf path whose every token equals the target's argmax at its parent.
+
+    Returns (accepted node indices, root first; the bonus token = argmax at the last accepted node).
+    """
+    predicted = torch.argmax(logits, dim=-1).to(draft_tokens.device)
+    paths = retrieve_indices.to(draft_tokens.device)
+    valid = paths >= 0
+    safe = paths.clamp(min=0)
+    matches = (draft_tokens[safe[:, 1:]] == predicted[safe[:, :-1]]) & valid[:, 1:]
+    accepted = torch.cumprod(matches.to(torch.int64), dim=1).sum(dim=1)
+    best = int(torch.argmax(accepted).item())
+    length = int(accepted[best].item())
+    nodes = paths[best, : length + 1]
+    return nodes, int(predicted[nodes[-1]].item())
+
+
+def tree_children(parents: torch.Tensor) -> list[list[int]]:
+    """Children of every node in tree order (ascending node index) from the parent array (root -1)."""
+    children: list[list[int]] = [[] for _ in range(parents.numel())]
+    for node, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            children[parent].append(node)
+    return children
+
+
+def sampling_accept(
+    draft_tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, sampler: Sampler
+) -> tuple[torch.Tensor, int]:
+    """Multi-candidate speculative sampling over the tree (drafts are point masses, q = 1).
+
+    At a node with target distribution p, try each child x in tree order: accept with probability
+    p(x); on rejection set p(x) = 0 and renormalise. When no child is accepted (or at a leaf) the
+    bonus token is drawn from the remaining p. The emitted tokens follow the target's distribution.
+    """
+    tokens = draft_tokens.tolist()
+    children = tree_children(parents)
+    node = 0
+    accepted = [0]
+    probs = sampler.probs(logits[0])
+    while True:
+        moved = False
+        for child in children[node]:
+            token = tokens[child]
+            p_token = float(probs[token].item())
+            if p_token > 0.0 and sampler.uniform() < p_token:
+                node = child
+                accepted.append(child)
+                probs = sampler.probs(logits[child])
+                moved = True
+                break
+            if p_token > 0.0:
+                probs = probs.clone()
+                probs[token] = 0.0
+                total = probs.sum()
+                if total <= 0:  # only rounding can get here: p(token) was ~1 and lost the draw
+                    probs[token] = 1.0
+                    total = probs.sum()
+                probs = probs / total
+        if not moved:
+            return torch.tensor(accepted, dtype=torch.long), sampler.draw(probs)

@@ -1,0 +1,110 @@
+"""From a draft forward to token trees: the ONE path serving and simulated τ share.
+
+`draft_trees` takes the draft head's logit rows (one [d, draft_vocab] block per decoding state),
+keeps the top-k draft-vocabulary entries per row, maps them to target ids (d2t) with their softmax
+over those k, and runs the C++ n-gram-enforced beam search (`dart_infer.search.tree_search`) on the
+token history of each state (ending with the root). `DartModel.dart_generate` calls it once per
+step; `dart_train.evaluate.SimulatedTau` once per batch of held-out anchors. Anything that changes
+how candidates become a tree (extra candidate sources, scoring) belongs here, so both sides see it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["DraftTree", "TreeSearchSettings", "draft_trees"]
+
+
+@dataclass(frozen=True)
+class TreeSearchSettings:
+    """Knobs of the draft tree. The defaults are the paper's GPU setting (a 60-node tree); on a CPU
+    verifying 60 nodes costs several single-token steps, so smaller trees are usually faster there."""
+
+    draft_top_k: int = 25  # candidates per draft position
+    beam_width: int = 20
+    remain_total: int = 60  # nodes kept in the final tree (root excluded)
+    ngram_weight: float = 0.5
+    level_weight: tuple[float, ...] | None = None  # per-level weights; None = search default (l+1)^-0.7
+    logit_weight: tuple[float, ...] | None = None  # None = search default 0.9^l
+    ngram_on_first_level: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("draft_top_k", "beam_width", "remain_total"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ngram_weight < 0:
+            raise ValueError(f"ngram_weight must be >= 0, got {self.ngram_weight}")
+
+    def with_overrides(self, overrides: Mapping[str, Any] | None) -> TreeSearchSettings:
+        if not overrides:
+            return self
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown tree-search settings {unknown}; known: {sorted(known)}")
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def coerce(cls, tree: TreeSearchSettings | Mapping[str, Any] | None) -> TreeSearchSettings:
+        """Settings from an instance, a mapping of field overrides, or None (the defaults)."""
+        return tree if isinstance(tree, cls) else cls().with_overrides(dict(tree) if tree else None)
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One token tree, as `tree_search` returns it (CPU tensors; node 0 is the root)."""
+
+    tokens: torch.Tensor  # int64 [1 + n]
+    retrieve_indices: torch.Tensor  # int64 [leaves, depth + 1], root-to-leaf node indices, -1 padded
+    mask: torch.Tensor  # bool [1 + n, 1 + n], ancestor-or-self
+    positions: torch.Tensor  # int64 [1 + n], depth of each node
+    parents: torch.Tensor  # int64 [1 + n], -1 for the root
+
+
+def draft_trees(
+    draft_logits: torch.Tensor,
+    draft_model: Any,
+    histories: Sequence[torch.Tensor],
+    *,
+    trie: Any,
+    settings: TreeSearchSettings,
+    eos_token_ids: Sequence[int],
+) -> list[DraftTree]:
+    """One tree per decoding state from the draft head's logits.
+
+    draft_logits: [N, d, draft_vocab], the d rows of N states (any device). draft_model: the
+    `DartDraftModel` (its d2t maps draft ids to target ids). histories: N 1-D CPU token tensors,
+    each the tokens so far ending with that state's root (only the last order - 1 are read).
+    trie: an `ngram_builder.NgramTrie` or None (no n-gram term). eos_token_ids: the model's EOS
+    set (`dart_infer.loading.eos_token_ids`); paths ending in its first id go last in the beam.
+    """
+    from dart_infer.search import tree_search  # C++ extension; imported when first needed
+
+    if draft_logits.dim() != 3 or draft_logits.shape[0] != len(histories):
+        raise ValueError(
+            f"draft_logits must be [N, d, vocab] with one history per state, got {tuple(draft_logits.shape)} "
+            f"and {len(histories)} histories"
+        )
+    top = torch.topk(draft_logits.float(), min(settings.draft_top_k, draft_logits.shape[-1]), dim=-1)
+    candidates = draft_model.draft_to_target(top.indices).cpu()
+    probs = torch.softmax(top.values, dim=-1).cpu()
+    search_kwargs: dict[str, Any] = dict(
+        eos_token_id=eos_token_ids[0] if eos_token_ids else None,
+        beam_width=settings.beam_width,
+        remain_total=settings.remain_total,
+        ngram_weight=settings.ngram_weight if trie is not None else 0.0,
+        ngram_on_first_level=settings.ngram_on_first_level,
+    )
+    if settings.level_weight is not None:
+        search_kwargs["level_weight"] = list(settings.level_weight)
+    if settings.logit_weight is not None:
+        search_kwargs["logit_weight"] = list(settings.logit_weight)
+    return [
+        DraftTree(*tree_search(candidates[i], probs[i], trie, history, return_parents=True, **search_kwargs))
+        for i, history in enumerate(histories)
+    ]
