@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from dart_infer.loading import eos_token_ids
+
 log = logging.getLogger(__name__)
 
 
@@ -80,18 +82,6 @@ def _done_ids(path: Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(good_end)
     return done
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    ids: set[int] = set()
-    for value in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    if not ids:
-        raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
-    return sorted(ids)
 
 
 def _batch_seed(seed: int, first_id: str) -> int:
@@ -143,7 +133,9 @@ def regenerate(
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
-    eos = _eos_ids(model, tokenizer)
+    eos = list(eos_token_ids(model, tokenizer))  # the same EOS set serving stops at
+    if not eos:
+        raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     kwargs = dict(template_kwargs or {})
     stats = RegenerateStats()
