@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dart_train.dist import rank_and_world_size
 from dart_train.objective import ObjectiveOutput, annealed_kl_loss, build_layout, draft_forward
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,14 @@ class TrainSettings:
 
 
 def cosine_with_warmup(total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
-    """LR multiplier: linear warm-up from 1/warmup to 1, then cosine down to `min_lr_ratio`."""
+    """LR multiplier: linear warm-up from 1/warmup to 1, then cosine down to `min_lr_ratio`.
+
+    Kept by hand on purpose: transformers' `get_cosine_with_min_lr_schedule_with_warmup` gives the
+    same cosine part but warms up from 0 (step 0 trains at lr 0: 0, 1/W, ... instead of 1/W, 2/W, ...)
+    and DeepSpeed's `WarmupCosineLR` (linear) also starts at 0 and reaches the cosine one step early
+    (measured with W=2, T=10, min 0.1). Either would change the schedule of existing runs and of
+    resumed checkpoints.
+    """
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -138,12 +146,6 @@ def init_distributed() -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _rng_state() -> dict[str, Any]:
@@ -322,7 +324,7 @@ class DartTrainer:
 
         s = self.settings
         bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not s.progress or _rank() != 0,
+            total=self.total_steps, initial=self.step, disable=not s.progress or rank_and_world_size()[0] != 0,
             desc="dart-train", dynamic_ncols=True,
         )
         window = _Window(self.draft_model.config.draft_length)
@@ -369,7 +371,7 @@ class DartTrainer:
             "head": str(self.run_dir / HEAD_DIR),
             "timings": dict(self.timings),
         }
-        if _rank() == 0:
+        if rank_and_world_size()[0] == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
@@ -386,7 +388,7 @@ class DartTrainer:
         return float(tau) if tau is not None else None
 
     def _log(self, metrics: Mapping[str, Any]) -> None:
-        if _rank() != 0:
+        if rank_and_world_size()[0] != 0:
             return
         with open(self.run_dir / METRICS_FILE, "a") as fh:
             fh.write(json.dumps(dict(metrics)) + "\n")
@@ -404,7 +406,7 @@ class DartTrainer:
             return
         self.best = {"tau": tau, "step": self.step}
         self.export(self.run_dir / BEST_DIR)
-        if _rank() == 0:
+        if rank_and_world_size()[0] == 0:
             (self.run_dir / BEST_DIR / "best.json").write_text(json.dumps(self.best, indent=2))
 
     def save_checkpoint(self) -> str:
@@ -423,7 +425,7 @@ class DartTrainer:
         return tag
 
     def _rotate(self) -> None:
-        if _rank() != 0:
+        if rank_and_world_size()[0] != 0:
             return
         tags = sorted(p.name for p in self.checkpoint_dir.glob("step_*") if p.is_dir())
         for old in tags[: -self.settings.keep_last]:
@@ -454,7 +456,7 @@ class DartTrainer:
         out = Path(out_dir)
         model = self.draft_model
         with self._gathered(model):
-            if _rank() == 0:
+            if rank_and_world_size()[0] == 0:
                 state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
                 model.save_pretrained(out, state_dict=state)
         return out
