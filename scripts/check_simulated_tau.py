@@ -75,7 +75,7 @@ def main() -> None:
     def simulated(dataset, anchors: int) -> dict[str, float]:
         states = OnlineStateSource(model.target, topk=64, hidden_dtype=torch.float32)
         return SimulatedTau(
-            dataset, states, eos_token_id=tokenizer.eos_token_id, trie=model.trie, tree=model.tree,
+            dataset, states, eos_token_ids=model.eos_token_ids, trie=model.trie, tree=model.tree,
             anchors_per_sequence=anchors,
         )(draft)
 
