@@ -1,8 +1,8 @@
 """Shared plumbing of the Hydra entry points (`dart-train`, `dart-ngram`, `dart-eval`, `dart-demo`).
 
-Entry points are thin apps: parse the config, print it, call library components. Apps may import
-any of the three packages; the libraries themselves keep the direction
-dart_train -> dart_infer -> ngram_builder.
+Entry points are thin apps: parse the config, print it, call library components. Apps follow the
+import direction dart_train -> dart_infer -> ngram_builder like everything else (tests/test_layout.py):
+`dart-ngram` and `dart-eval` live here, `dart-train` and `dart-demo` in dart_train.
 """
 
 from __future__ import annotations
