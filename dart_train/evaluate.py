@@ -38,20 +38,6 @@ from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
 __all__ = ["SimulatedTau", "accepted_length"]
 
 
-def accepted_length(draft_tokens: torch.Tensor, retrieve_indices: torch.Tensor, reference: list[int]) -> int:
-    """Longest root-to-leaf prefix of the tree whose node tokens equal `reference` (depth 1 = ref[0])."""
-    best = 0
-    tokens = draft_tokens.tolist()
-    for row in retrieve_indices.tolist():
-        depth = 0
-        for node in row[1:]:
-            if node < 0 or depth >= len(reference) or tokens[node] != reference[depth]:
-                break
-            depth += 1
-        best = max(best, depth)
-    return best
-
-
 def _accepted_target(
     draft_tokens: torch.Tensor, retrieve_indices: torch.Tensor, target_next: list[int], data_next: list[int]
 ) -> int:
@@ -68,6 +54,11 @@ def _accepted_target(
                 break  # the target's next argmax is only known on the data path
         best = max(best, depth)
     return best
+
+
+def accepted_length(draft_tokens: torch.Tensor, retrieve_indices: torch.Tensor, reference: list[int]) -> int:
+    """Longest root-to-leaf prefix of the tree whose node tokens equal `reference` (depth 1 = ref[0])."""
+    return _accepted_target(draft_tokens, retrieve_indices, reference, reference)
 
 
 class SimulatedTau:
