@@ -104,15 +104,24 @@ class TargetModel:
 
     @torch.no_grad()
     def states(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux_hidden [B,T,3H], logits [B,T,V]) of whole sequences (no grad, no cache).
 
-        `attention_mask` is the usual 2D padding mask [B,T] (1 = real token), or None.
+        `attention_mask` is the usual 2D padding mask [B,T] (1 = real token), or None. Packed rows:
+        `position_ids` [B,T] restarting at 0 for every packed sequence and no attention mask
+        (transformers' mask builder then keeps the sequences apart).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B,T], got {tuple(input_ids.shape)}")
-        return self._forward(input_ids.to(self.device), attention_mask=attention_mask)
+        if position_ids is not None:
+            if attention_mask is not None:
+                raise ValueError("packed rows (position_ids) take no attention_mask: positions separate them")
+            position_ids = position_ids.to(self.device)
+        return self._forward(input_ids.to(self.device), attention_mask=attention_mask, position_ids=position_ids)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)

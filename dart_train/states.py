@@ -19,7 +19,8 @@ API (the training engine calls a `StateSource` on every batch from `dart_train.d
   runs the target once over a `dart_train.data.TokenizedDataset` and writes sharded safetensors +
   `manifest.json` (see "Offline cache"). Call again on the same directory to resume.
 - `OfflineStateSource(cache_dir, dataset=None, *, verify=True, device="cpu")`: reads that cache;
-  batches are looked up by `batch["indices"]` (dataset order).
+  batches are looked up by `batch["segments"]` (row, column, dataset index; packed rows hold several)
+  or, without it, `batch["indices"]` (one sequence per row).
 
 Probability mass outside the top-k: the stored log-probabilities are exact for the kept entries
 (normalised with the full-vocabulary logsumexp), so the mass outside the top-k is
@@ -94,22 +95,29 @@ def topk_logprobs(logits: torch.Tensor, k: int | None) -> tuple[torch.Tensor, to
 
 def _target_states(
     target: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    batch: Mapping[str, Any],
     topk: int | None,
     hidden_dtype: torch.dtype,
     autocast_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The one place both modes run the target: (aux [B,T,3H] hidden_dtype, logprobs, ids)."""
+    """The one place both modes run the target: (aux [B,T,3H] hidden_dtype, logprobs, ids).
+
+    A batch from `collate_packed` (it has "document_ids") runs with its position_ids and no attention
+    mask: transformers then keeps the packed items (and the padding) apart, each item exactly as if it
+    ran alone. Other batches run with their 2D padding mask."""
     device = target.device
     autocast = (
         torch.autocast(device_type=device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
+    attention_mask = batch.get("attention_mask")
     with torch.no_grad(), autocast:
-        mask = attention_mask.to(device) if attention_mask is not None else None
-        aux, logits = target.states(input_ids.to(device), mask)
+        if "document_ids" in batch:
+            aux, logits = target.states(batch["input_ids"], position_ids=batch["position_ids"])
+        else:
+            mask = attention_mask.to(device) if attention_mask is not None else None
+            aux, logits = target.states(batch["input_ids"].to(device), mask)
     values, ids = topk_logprobs(logits, topk)
     aux = aux.to(hidden_dtype)
     if attention_mask is not None:
@@ -142,10 +150,7 @@ class OnlineStateSource:
         target.model.eval()
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        aux, values, ids = _target_states(
-            self.target, batch["input_ids"], batch.get("attention_mask"), self.topk,
-            self.hidden_dtype, self.autocast_dtype,
-        )
+        aux, values, ids = _target_states(self.target, batch, self.topk, self.hidden_dtype, self.autocast_dtype)
         return {**batch, "aux_hidden": aux, "target_topk_logprobs": values, "target_topk_ids": ids}
 
 
@@ -335,9 +340,7 @@ def precompute_states(
         per_sequence: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         for batch_indices in _batches_by_tokens(list(range(first, last)), lengths, max_tokens):
             batch = collate([dataset[i] for i in batch_indices], 0)
-            aux, values, ids = _target_states(
-                target, batch["input_ids"], batch["attention_mask"], topk, torch.bfloat16, autocast_dtype
-            )
+            aux, values, ids = _target_states(target, batch, topk, torch.bfloat16, autocast_dtype)
             for row, index in enumerate(batch_indices):
                 n = lengths[index]
                 per_sequence[index] = (aux[row, :n].cpu(), values[row, :n].cpu(), ids[row, :n].cpu())
@@ -482,17 +485,22 @@ class OfflineStateSource:
         aux = torch.zeros(rows, width, self.hidden_size, dtype=torch.bfloat16)
         values = torch.zeros(rows, width, self.topk, dtype=torch.float32)
         ids = torch.zeros(rows, width, self.topk, dtype=torch.long)
-        for row, index in enumerate(batch["indices"].tolist()):
+        segments = batch.get("segments")
+        if segments is None:  # one sequence per row, at column 0
+            segments = [(row, 0, index) for row, index in enumerate(batch["indices"].tolist())]
+        else:
+            segments = segments.tolist()
+        for row, start, index in segments:
             stored = self.sequence(index)
-            n = stored["input_ids"].numel()
-            if n > width or not torch.equal(stored["input_ids"], input_ids[row, :n].cpu()):
+            end = start + stored["input_ids"].numel()
+            if end > width or not torch.equal(stored["input_ids"], input_ids[row, start:end].cpu()):
                 raise StateCacheError(
                     f"cached sequence {index} does not match the batch's tokens: the cache at "
                     f"{self.cache_dir} was built for other data"
                 )
-            aux[row, :n] = stored["aux_hidden"]
-            values[row, :n] = stored["topk_logprobs"]
-            ids[row, :n] = stored["topk_ids"]
+            aux[row, start:end] = stored["aux_hidden"]
+            values[row, start:end] = stored["topk_logprobs"]
+            ids[row, start:end] = stored["topk_ids"]
         return {
             **batch,
             "aux_hidden": aux.to(self.device),

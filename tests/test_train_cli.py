@@ -216,3 +216,19 @@ def test_deepspeed_launcher_local_rank_argument(monkeypatch) -> None:
     cli.main()
     assert seen["argv"] == ["trainer=zero2", "seed=1"]
     assert os.environ["LOCAL_RANK"] == "3"
+
+
+def test_states_target_is_a_bf16_copy_and_the_head_keeps_the_served_embedding(tiny_checkpoint) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from dart_train.cli import _load_target
+
+    served = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).get_input_embeddings().weight
+    base = ["model=custom", f"model.name_or_path={tiny_checkpoint}"]
+    target, _, embedding = _load_target(_compose(*base, "states.target_dtype=bfloat16"))
+    assert target.dtype == torch.bfloat16 and next(target.model.parameters()).dtype == torch.bfloat16
+    assert embedding.dtype == torch.float32 and torch.equal(embedding, served)
+    target, _, embedding = _load_target(_compose(*base, "states.target_dtype=float32"))
+    assert target.dtype == torch.float32 and torch.equal(embedding, served)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        _load_target(_compose(*base, "states.target_dtype=bf17"))

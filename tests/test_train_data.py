@@ -11,11 +11,13 @@ from dart_infer.conversations import Conversation
 from dart_train.data import (
     ChatTemplateError,
     LengthBucketBatchSampler,
+    PackedBatchSampler,
     ResumableLoader,
     TokenizedDataset,
     build_dataset,
     build_vocab_mapping,
     collate,
+    collate_packed,
     tokenize_conversation,
 )
 
@@ -195,6 +197,40 @@ def test_bucket_sampler_budget_determinism_and_ranks():
     assert not {i for b in ranks[0] for i in b} & {i for b in ranks[1] for i in b}
     with pytest.raises(ValueError, match="smaller than the longest"):
         LengthBucketBatchSampler(lengths, max_tokens=100)
+
+
+def test_packed_sampler_fills_rows_deterministically_and_splits_ranks():
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 200, (300,), generator=gen).tolist()
+    sampler = PackedBatchSampler(lengths, row_tokens=400, max_tokens=800, seed=3)
+    epoch0 = sampler.batches(0)
+    rows = [row for batch in epoch0 for row in batch]
+    assert sorted(i for row in rows for i in row) == list(range(300))  # every sequence once
+    assert all(sum(lengths[i] for i in row) <= 400 for row in rows)
+    assert all(len(batch) <= 2 for batch in epoch0)
+    assert sum(lengths) / (len(rows) * 400) > 0.9  # rows are nearly full (buckets: see above)
+    assert epoch0 == PackedBatchSampler(lengths, row_tokens=400, max_tokens=800, seed=3).batches(0)
+    assert epoch0 != sampler.batches(1)
+    ranks = [PackedBatchSampler(lengths, row_tokens=400, max_tokens=800, seed=3, rank=r, world_size=2).batches(0)
+             for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == len(epoch0) // 2
+    flat = [{i for batch in r for row in batch for i in row} for r in ranks]
+    assert not flat[0] & flat[1]
+    with pytest.raises(ValueError, match="smaller than the longest"):
+        PackedBatchSampler(lengths, row_tokens=100)
+    with pytest.raises(ValueError, match="at least one row"):
+        PackedBatchSampler(lengths, row_tokens=400, max_tokens=300)
+
+
+def test_collate_packed_positions_documents_and_segments():
+    ds = synthetic_dataset([3, 2, 4])
+    batch = collate_packed([[ds[0], ds[1]], [ds[2]]], pad_token_id=7)
+    assert batch["input_ids"].tolist() == [[0, 1, 2, 1, 2], [2, 3, 4, 5, 7]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]
+    assert batch["attention_mask"].tolist() == [[True] * 5, [True] * 4 + [False]]
+    assert batch["segments"].tolist() == [[0, 0, 0], [0, 3, 1], [1, 0, 2]]
+    assert batch["indices"].tolist() == [0, 1, 2] and batch["lengths"].tolist() == [5, 4]
 
 
 def test_loader_resume_is_exact():

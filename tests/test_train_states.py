@@ -195,3 +195,60 @@ def test_ranks_share_one_cache(target, dataset, tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(StateCacheError, match="GB more"):
         precompute_states(target, dataset, tmp_path / "small-disk", topk=TOPK, shard_size=2)
+
+
+def test_packed_rows_equal_sequences_alone(target, dataset, tmp_path):
+    """A packed row gives each sequence exactly the target states, draft logits and losses it gets alone."""
+    from dart_infer.model import DartDraftConfig, DartDraftModel
+    from dart_train.data import PackedBatchSampler, collate_packed
+    from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
+
+    sampler = PackedBatchSampler(dataset.lengths, row_tokens=64, max_tokens=128, seed=2)
+    packed_batches = sampler.batches(0)
+    assert sorted(i for batch in packed_batches for row in batch for i in row) == list(range(len(dataset)))
+    assert all(sum(dataset.lengths[i] for i in row) <= 64 for batch in packed_batches for row in batch)
+    assert any(len(row) > 1 for batch in packed_batches for row in batch)
+    source = OnlineStateSource(target, topk=TOPK, hidden_dtype=torch.float32)
+    torch.manual_seed(4)
+    head_config = DartDraftConfig.from_target_config(target.model.config, draft_length=3, draft_vocab_size=VOCAB)
+    head = DartDraftModel(head_config).eval()
+    head.set_target_embedding(target.embedding_weight)
+    head.set_vocab_mapping(torch.arange(VOCAB))
+
+    def draft_loss(states):
+        layout = build_layout(states["loss_mask"], 3, position_ids=states["position_ids"],
+                              document_ids=states["document_ids"])
+        logits = draft_forward(head, states["aux_hidden"], states["input_ids"], layout)
+        out = annealed_kl_loss(logits, layout, head.d2t, target_logprobs=states["target_topk_logprobs"],
+                               target_ids=states["target_topk_ids"])
+        return out, logits, layout
+
+    precompute_states(target, dataset, tmp_path / "cache", topk=TOPK, shard_size=4)
+    offline = OfflineStateSource(tmp_path / "cache", dataset)
+    checked = 0
+    for batch_rows in packed_batches:
+        batch = collate_packed([[dataset[i] for i in row] for row in batch_rows])
+        states = source(batch)
+        packed_out, packed_logits, packed_layout = draft_loss(states)
+        kl_sum = torch.zeros(3)
+        for row, start, index in batch["segments"].tolist():
+            alone = source(collate([dataset[index]]))
+            n = dataset.lengths[index]
+            for key in ("aux_hidden", "target_topk_logprobs"):
+                torch.testing.assert_close(states[key][row, start:start + n], alone[key][0], rtol=1e-5, atol=1e-5)
+            assert torch.equal(states["target_topk_ids"][row, start:start + n], alone["target_topk_ids"][0])
+            alone_out, alone_logits, alone_layout = draft_loss(alone)
+            kl_sum += alone_out.kl_sum
+            # Every anchor of the sequence alone is an anchor of the packed row, with the same logits.
+            for a, anchor in enumerate(alone_layout.anchors[0][alone_layout.anchor_valid[0]].tolist()):
+                match = (packed_layout.anchors[row] == start + anchor) & packed_layout.anchor_valid[row]
+                assert int(match.sum()) == 1
+                torch.testing.assert_close(packed_logits[row, int(match.nonzero())], alone_logits[0, a],
+                                           rtol=1e-4, atol=1e-4)
+                checked += 1
+        torch.testing.assert_close(packed_out.kl_sum, kl_sum, rtol=1e-4, atol=1e-4)
+        # The offline cache fills packed rows from the same per-sequence records.
+        cached = offline(batch)
+        torch.testing.assert_close(cached["target_topk_logprobs"], source(batch)["target_topk_logprobs"],
+                                   rtol=1e-4, atol=1e-4)
+    assert checked > 50
