@@ -1,21 +1,27 @@
-"""Training throughput of a DART head on this machine: online vs offline target states.
+"""Training throughput of a DART head on this machine: the old and the new data paths, interleaved.
 
-    python scripts/bench_train.py [--conversations 16] [--steps 6] [--max-length 512] [--autocast bf16]
+    python scripts/bench_train.py [--conversations 64] [--steps 8] [--max-length 1024] [--max-tokens 2048]
 
-Loads SmolLM2-135M-Instruct (embedded) and ShareGPT train conversations, then trains a fresh head
-with the real DeepSpeed engine for a few optimiser steps in each mode:
-- online: the frozen target runs on every batch (`OnlineStateSource`);
-- offline: the states are precomputed once into a sharded cache (`precompute_states`, timed
-  separately, bytes per token reported) and training reads them (`OfflineStateSource`).
-Prints tokens/s (real tokens of the training batches per second of training steps) and the share
-of step time spent getting target states vs the draft head's forward + backward + optimiser step.
+Loads SmolLM2-135M-Instruct (embedded) and ShareGPT train conversations, then trains fresh heads with
+the real DeepSpeed engine, one micro-step of each variant in turn (the machine is noisy: interleaving
+keeps drift out of the ratios; the first round is warm-up and not counted):
+- online (the frozen target runs on every batch), target states from
+    `autocast`  fp32 weights under bf16 autocast (the old default),
+    `bf16`      a bf16 copy of the target (weights cast once: `states.target_dtype=auto` here),
+  each with padded length buckets (`buckets`) or packed rows (`packed`, `trainer.pack_length`);
+- offline: states precomputed once with the bf16 target (timed; bytes per token reported), then
+  training reads them, buckets vs packed.
+Prints real (non-padding) tokens per second of micro-steps, the share of time getting target states,
+and the ratios new/old measured in this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,14 +32,15 @@ import torch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per micro-batch")
-    parser.add_argument("--max-anchors", type=int, default=64)
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8, help="counted micro-steps per variant (after 1 warm-up)")
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=2048, help="tokens per micro-batch (padded or packed)")
+    parser.add_argument("--pack-length", type=int, default=None, help="packed row length (default: --max-length)")
+    parser.add_argument("--max-anchors", type=int, default=96)
     parser.add_argument("--draft-vocab", type=int, default=16384)
     parser.add_argument("--topk", type=int, default=64)
-    parser.add_argument("--autocast", choices=["none", "bf16"], default="none", help="target autocast")
+    parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -43,7 +50,13 @@ def main() -> None:
     from dart_infer.conversations import load_conversations
     from dart_infer.model import DartDraftConfig, DartDraftModel
     from dart_infer.target import TargetModel
-    from dart_train.data import LengthBucketBatchSampler, ResumableLoader, build_dataset, build_vocab_mapping
+    from dart_train.data import (
+        LengthBucketBatchSampler,
+        PackedBatchSampler,
+        ResumableLoader,
+        build_dataset,
+        build_vocab_mapping,
+    )
     from dart_train.engine import DartTrainer, TrainSettings
     from dart_train.states import (
         OfflineStateSource,
@@ -53,57 +66,95 @@ def main() -> None:
     )
 
     path = resolve_model(args.model)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    embedding = fp32.get_input_embeddings().weight.detach()
+    target_fp32 = TargetModel(fp32)
+    target_bf16 = TargetModel(copy.deepcopy(fp32).to(torch.bfloat16))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    target = TargetModel(model)
-    dataset = build_dataset(
-        load_conversations("sharegpt", split="train", limit=args.conversations), tokenizer, args.max_length
-    )
-    mapping = build_vocab_mapping(dataset.sequences, target.vocab_size, args.draft_vocab)
-    autocast = torch.bfloat16 if args.autocast == "bf16" else None
-    print(f"# {len(dataset)} sequences, {sum(dataset.lengths)} tokens, threads={torch.get_num_threads()}")
+    conversations = load_conversations("sharegpt", split="train", limit=args.conversations)
+    dataset = build_dataset(conversations, tokenizer, args.max_length)
+    mapping = build_vocab_mapping(dataset.sequences, target_fp32.vocab_size, args.draft_vocab)
+    pack_length = max(args.pack_length or args.max_length, max(dataset.lengths))
 
-    def run(source, run_dir: Path) -> dict:
+    def sampler(kind: str):
+        if kind == "packed":
+            return PackedBatchSampler(dataset.lengths, row_tokens=pack_length,
+                                      max_tokens=max(args.max_tokens, pack_length), seed=0)
+        return LengthBucketBatchSampler(dataset.lengths, max_tokens=max(args.max_tokens, pack_length), seed=0)
+
+    def trainer(source, kind: str, run_dir: Path) -> DartTrainer:
         torch.manual_seed(0)
-        config = DartDraftConfig.from_target_config(model.config, draft_length=8, draft_vocab_size=args.draft_vocab)
+        config = DartDraftConfig.from_target_config(fp32.config, draft_length=8, draft_vocab_size=args.draft_vocab)
         head = DartDraftModel(config)
-        head.set_target_embedding(target.embedding_weight)
+        head.set_target_embedding(embedding)
         head.set_vocab_mapping(mapping)
-        loader = ResumableLoader(dataset, LengthBucketBatchSampler(dataset.lengths, max_tokens=args.max_tokens, seed=0))
-        settings = TrainSettings(max_steps=args.steps, grad_accum=1, max_anchors=args.max_anchors, progress=False,
-                                 log_every=1, warmup_steps=1)
-        trainer = DartTrainer(head, source, loader, settings, run_dir)
-        trainer.train()
-        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        tokens = sum(x["tokens"] for x in lines[1:])  # step 1 includes one-time warm-up
-        seconds = sum(x["tokens"] / x["tokens_per_s"] for x in lines[1:])
-        total = trainer.timings["states"] + trainer.timings["draft"]
-        return {
-            "tokens_per_s": tokens / seconds,
-            "states_share": trainer.timings["states"] / total,
-            "draft_share": trainer.timings["draft"] / total,
-            "final_loss": lines[-1]["loss"],
-        }
+        settings = TrainSettings(max_steps=10**6, grad_accum=1, max_anchors=args.max_anchors, progress=False,
+                                 log_every=10**6, warmup_steps=1)
+        return DartTrainer(head, source, ResumableLoader(dataset, sampler(kind)), settings, run_dir)
 
-    results: dict[str, object] = {"sequences": len(dataset), "tokens": sum(dataset.lengths), "args": vars(args)}
+    def batches(loader):
+        while True:
+            yield from loader
+
+    def interleaved(variants: dict[str, DartTrainer]) -> dict[str, dict[str, float]]:
+        streams = {name: batches(t.loader) for name, t in variants.items()}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        tokens: dict[str, list[int]] = {name: [] for name in variants}
+        states = {name: 0.0 for name in variants}
+        for step in range(args.steps + 1):
+            for name, t in variants.items():
+                batch = next(streams[name])
+                before = dict(t.timings)
+                started = time.perf_counter()
+                t._micro_step(batch)
+                if step == 0:
+                    continue  # warm-up
+                times[name].append(time.perf_counter() - started)
+                tokens[name].append(int(batch["attention_mask"].sum()))
+                states[name] += t.timings["states"] - before["states"]
+        out = {}
+        for name in variants:
+            seconds = sum(times[name])
+            out[name] = {
+                "tokens_per_s": sum(tokens[name]) / seconds,
+                "states_share": states[name] / seconds,
+                "median_step_s": statistics.median(times[name]),
+                "real_tokens_per_step": sum(tokens[name]) / len(tokens[name]),
+            }
+            print(f"{name:28s} {out[name]['tokens_per_s']:7.0f} tok/s  states {out[name]['states_share']:.0%}  "
+                  f"{out[name]['real_tokens_per_step']:.0f} real tokens/step", flush=True)
+        return out
+
+    results: dict[str, object] = {
+        "sequences": len(dataset), "tokens": sum(dataset.lengths), "threads": torch.get_num_threads(),
+        "args": vars(args),
+    }
+    print(f"# {len(dataset)} sequences, {sum(dataset.lengths)} tokens, threads={torch.get_num_threads()}, "
+          f"rows of {pack_length} tokens", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        online = OnlineStateSource(target, topk=args.topk, autocast_dtype=autocast)
-        results["online"] = run(online, tmp_path / "online")
-        print(f"online : {results['online']}")
-        started = time.perf_counter()
-        manifest = precompute_states(target, dataset, tmp_path / "cache", topk=args.topk, autocast_dtype=autocast,
-                                     progress=False)
-        seconds = time.perf_counter() - started
-        results["precompute"] = {
-            "seconds": seconds,
-            "tokens_per_s": sum(dataset.lengths) / seconds,
-            "bytes_per_token": cache_bytes_per_token(manifest),
-        }
-        print(f"precompute: {results['precompute']}")
-        offline = OfflineStateSource(tmp_path / "cache", dataset)
-        results["offline"] = run(offline, tmp_path / "offline")
-        print(f"offline: {results['offline']}")
+        autocast = OnlineStateSource(target_fp32, topk=args.topk, autocast_dtype=torch.bfloat16)
+        bf16 = OnlineStateSource(target_bf16, topk=args.topk)
+        online = interleaved({
+            "online autocast buckets": trainer(autocast, "buckets", tmp_path / "a"),
+            "online bf16 buckets": trainer(bf16, "buckets", tmp_path / "b"),
+            "online bf16 packed": trainer(bf16, "packed", tmp_path / "c"),
+        })
+        results["online"] = online
+        ratio = online["online bf16 packed"]["tokens_per_s"] / online["online autocast buckets"]["tokens_per_s"]
+        print(f"online new/old (bf16 packed / autocast buckets): {ratio:.2f}x", flush=True)
+        if not args.skip_offline:
+            started = time.perf_counter()
+            manifest = precompute_states(target_bf16, dataset, tmp_path / "cache", topk=args.topk, progress=False)
+            seconds = time.perf_counter() - started
+            results["precompute"] = {"seconds": seconds, "tokens_per_s": sum(dataset.lengths) / seconds,
+                                     "bytes_per_token": cache_bytes_per_token(manifest)}
+            print(f"precompute (bf16 target): {results['precompute']}", flush=True)
+            cache = OfflineStateSource(tmp_path / "cache", dataset)
+            results["offline"] = interleaved({
+                "offline buckets": trainer(cache, "buckets", tmp_path / "d"),
+                "offline packed": trainer(cache, "packed", tmp_path / "e"),
+            })
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
 
