@@ -82,6 +82,12 @@ def _autocast_dtype(name: str | None) -> torch.dtype | None:
     return torch.bfloat16 if _native_bf16() else None
 
 
+def _draft_autocast(name: str | None) -> str | None:
+    """`trainer.autocast` as DeepSpeed's torch_autocast dtype name (`auto`: bfloat16 where native)."""
+    dtype = _autocast_dtype(name)
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
 def states_target_dtype(cfg: DictConfig) -> torch.dtype:
     """The dtype of the target's weights for computing training states (`states.target_dtype`).
 
@@ -238,6 +244,7 @@ def settings_from_config(cfg: DictConfig) -> Any:
         min_lr_ratio=float(o.min_lr_ratio), grad_clip=float(o.grad_clip), gamma=float(o.gamma),
         epochs=int(o.epochs), max_steps=int(t.max_steps) if t.max_steps is not None else None,
         grad_accum=int(t.grad_accum), zero_stage=int(t.zero_stage), bf16=bool(t.bf16),
+        autocast_dtype=_draft_autocast(t.get("autocast")),
         max_anchors=int(t.max_anchors) if t.max_anchors is not None else None, attention=str(t.attention),
         seed=int(cfg.seed), log_every=int(cfg.logging.log_every),
         eval_every=int(cfg.train_eval.every) if cfg.train_eval.enabled and cfg.train_eval.every else None,

@@ -76,7 +76,10 @@ class TrainSettings:
     grad_accum: int = 1
     zero_stage: int = 0
     bf16: bool = False
-    max_anchors: int | None = None  # per sequence; None = every loss-masked anchor
+    # The head's forward under torch autocast in this dtype (DeepSpeed's torch_autocast: fp32 weights,
+    # optimiser and loss; matmuls in bf16), e.g. "bfloat16"; None = no autocast.
+    autocast_dtype: str | None = None
+    max_anchors: int | None = None  # per row; None = every loss-masked anchor
     attention: str = "auto"  # auto (flex on GPU, dense on CPU) | dense | flex
     seed: int = 0
     log_every: int = 10
@@ -103,6 +106,10 @@ class TrainSettings:
             raise ValueError(f"attention must be auto, dense or flex, got {self.attention!r}")
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
+        if self.autocast_dtype not in (None, "bfloat16", "float16"):
+            raise ValueError(f"autocast_dtype must be bfloat16, float16 or None, got {self.autocast_dtype!r}")
+        if self.autocast_dtype and self.bf16:
+            raise ValueError("bf16 (bf16 weights) and autocast_dtype exclude each other: choose one")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
 
 
@@ -281,6 +288,7 @@ class DartTrainer:
             "gradient_clipping": s.grad_clip,
             "zero_optimization": {"stage": s.zero_stage},
             "bf16": {"enabled": bool(s.bf16)},
+            "torch_autocast": {"enabled": s.autocast_dtype is not None, "dtype": s.autocast_dtype or "bfloat16"},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,

@@ -8,9 +8,10 @@ keeps drift out of the ratios; the first round is warm-up and not counted):
 - online (the frozen target runs on every batch), target states from
     `autocast`  fp32 weights under bf16 autocast (the old default),
     `bf16`      a bf16 copy of the target (weights cast once: `states.target_dtype=auto` here),
-  each with padded length buckets (`buckets`) or packed rows (`packed`, `trainer.pack_length`);
+  with padded length buckets (`buckets`) or packed rows (`packed`, `trainer.pack_length`), and the
+  head in fp32 or under bf16 autocast (`autocast`, `trainer.autocast=auto` here);
 - offline: states precomputed once with the bf16 target (timed; bytes per token reported), then
-  training reads them, buckets vs packed.
+  training reads them: old (buckets, fp32 head) vs new (packed, autocast head).
 Prints real (non-padding) tokens per second of micro-steps, the share of time getting target states,
 and the ratios new/old measured in this run.
 """
@@ -82,14 +83,14 @@ def main() -> None:
                                       max_tokens=max(args.max_tokens, pack_length), seed=0)
         return LengthBucketBatchSampler(dataset.lengths, max_tokens=max(args.max_tokens, pack_length), seed=0)
 
-    def trainer(source, kind: str, run_dir: Path) -> DartTrainer:
+    def trainer(source, kind: str, run_dir: Path, draft_autocast: str | None = None) -> DartTrainer:
         torch.manual_seed(0)
         config = DartDraftConfig.from_target_config(fp32.config, draft_length=8, draft_vocab_size=args.draft_vocab)
         head = DartDraftModel(config)
         head.set_target_embedding(embedding)
         head.set_vocab_mapping(mapping)
         settings = TrainSettings(max_steps=10**6, grad_accum=1, max_anchors=args.max_anchors, progress=False,
-                                 log_every=10**6, warmup_steps=1)
+                                 log_every=10**6, warmup_steps=1, autocast_dtype=draft_autocast)
         return DartTrainer(head, source, ResumableLoader(dataset, sampler(kind)), settings, run_dir)
 
     def batches(loader):
@@ -135,14 +136,17 @@ def main() -> None:
         tmp_path = Path(tmp)
         autocast = OnlineStateSource(target_fp32, topk=args.topk, autocast_dtype=torch.bfloat16)
         bf16 = OnlineStateSource(target_bf16, topk=args.topk)
+        old, new = "online OLD autocast/buckets/fp32", "online NEW bf16/packed/autocast"
         online = interleaved({
-            "online autocast buckets": trainer(autocast, "buckets", tmp_path / "a"),
-            "online bf16 buckets": trainer(bf16, "buckets", tmp_path / "b"),
-            "online bf16 packed": trainer(bf16, "packed", tmp_path / "c"),
+            old: trainer(autocast, "buckets", tmp_path / "a"),
+            "online bf16/buckets/fp32": trainer(bf16, "buckets", tmp_path / "b"),
+            "online bf16/packed/fp32": trainer(bf16, "packed", tmp_path / "c"),
+            new: trainer(bf16, "packed", tmp_path / "d", "bfloat16"),
         })
         results["online"] = online
-        ratio = online["online bf16 packed"]["tokens_per_s"] / online["online autocast buckets"]["tokens_per_s"]
-        print(f"online new/old (bf16 packed / autocast buckets): {ratio:.2f}x", flush=True)
+        ratio = online[new]["tokens_per_s"] / online[old]["tokens_per_s"]
+        results["online_new_over_old"] = ratio
+        print(f"online new/old: {ratio:.2f}x", flush=True)
         if not args.skip_offline:
             started = time.perf_counter()
             manifest = precompute_states(target_bf16, dataset, tmp_path / "cache", topk=args.topk, progress=False)
@@ -151,10 +155,14 @@ def main() -> None:
                                      "bytes_per_token": cache_bytes_per_token(manifest)}
             print(f"precompute (bf16 target): {results['precompute']}", flush=True)
             cache = OfflineStateSource(tmp_path / "cache", dataset)
-            results["offline"] = interleaved({
-                "offline buckets": trainer(cache, "buckets", tmp_path / "d"),
-                "offline packed": trainer(cache, "packed", tmp_path / "e"),
+            offline = interleaved({
+                "offline OLD buckets/fp32": trainer(cache, "buckets", tmp_path / "e"),
+                "offline NEW packed/autocast": trainer(cache, "packed", tmp_path / "f", "bfloat16"),
             })
+            results["offline"] = offline
+            ratio = offline["offline NEW packed/autocast"]["tokens_per_s"] / offline["offline OLD buckets/fp32"]["tokens_per_s"]
+            results["offline_new_over_old"] = ratio
+            print(f"offline new/old: {ratio:.2f}x", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
 

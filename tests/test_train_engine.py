@@ -242,3 +242,20 @@ def test_simulated_tau_matches_dart_generate_on_greedy_data(target) -> None:
     assert any(a > 1 for _, _, a in steps)
     summary = evaluator(head)
     assert summary["tau"] == summary["tau_data"] > 1.0
+
+
+def test_head_autocast_runs_the_forward_in_bf16_and_keeps_fp32_weights(target, dataset, tmp_path: Path) -> None:
+    plain = make_trainer(target, dataset, tmp_path / "fp32", max_steps=2)
+    mixed = make_trainer(target, dataset, tmp_path / "bf16", max_steps=2, autocast_dtype="bfloat16")
+    assert mixed.ds_config["torch_autocast"]["enabled"] and not plain.ds_config["torch_autocast"]["enabled"]
+    batch = next(iter(plain.loader))
+    seen = []
+    hook = mixed.draft_model.fc.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    a, _ = plain._micro_step(batch)
+    b, _ = mixed._micro_step(batch)
+    hook.remove()
+    assert seen == [torch.bfloat16]  # the head's matmuls ran in bf16 ...
+    assert all(p.dtype == torch.float32 for p in mixed.draft_model.parameters())  # ... on fp32 weights
+    assert float(a.loss) != float(b.loss) and float(b.loss) == pytest.approx(float(a.loss), rel=2e-2)
+    with pytest.raises(ValueError, match="exclude each other"):
+        TrainSettings(bf16=True, autocast_dtype="bfloat16")
