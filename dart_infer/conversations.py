@@ -74,10 +74,6 @@ class Conversation:
     source: str
     meta: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def has_assistant_turn(self) -> bool:
-        return any(m["role"] == "assistant" for m in self.messages)
-
 
 def source_conversation(conversation_id: str) -> str:
     """ShareGPT splits long conversations into chunks `<conversation>_<chunk>`: the part they share."""

@@ -106,7 +106,7 @@ def states_target_dtype(cfg: DictConfig) -> torch.dtype:
 def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any, embedding: torch.Tensor | None = None) -> Any:
     """A random head shaped from the target's config (or `draft.init_from`), checked against it.
     `embedding`: the target's input embedding as served (default: the target's own weight)."""
-    from dart_infer.generate import check_head_matches_target, load_draft_model
+    from dart_infer.loading import check_head_matches_target, load_draft_model
     from dart_infer.model import DartDraftConfig, DartDraftModel
 
     draft_cfg = cfg.draft
@@ -187,7 +187,7 @@ def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConf
     if not ev.enabled:
         return None
     from dart_infer.conversations import load_conversations
-    from dart_infer.generate import load_trie
+    from dart_infer.loading import eos_token_ids, load_trie
     from dart_train.data import build_dataset
     from dart_train.evaluate import SimulatedTau
     from dart_train.states import OnlineStateSource
@@ -201,7 +201,7 @@ def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConf
         dataset,
         OnlineStateSource(target, topk=int(cfg.states.topk) if cfg.states.topk else None,
                           hidden_dtype=torch.float32),
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_ids=eos_token_ids(target.model, tokenizer),
         trie=trie,
         tree=OmegaConf.to_container(ev.tree, resolve=True),
         anchors_per_sequence=int(ev.anchors_per_sequence),

@@ -59,6 +59,8 @@ from typing import Any
 
 import torch
 
+from dart_infer.files import atomic_path
+
 log = logging.getLogger(__name__)
 
 
@@ -282,9 +284,8 @@ def _save_dataset(dataset: TokenizedDataset, path: Path) -> None:
         "stats": dataset.stats.as_dict(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(payload, tmp)
 
 
 def _load_dataset(path: Path) -> TokenizedDataset | None:
