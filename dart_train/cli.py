@@ -170,6 +170,8 @@ def _state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> 
             topk=int(topk) if topk is not None else None,
             hidden_dtype=_dtype(states.hidden_dtype) or torch.bfloat16,
             autocast_dtype=_autocast_dtype(states.autocast_dtype),
+            labels_only=True,
+            compile=bool(states.get("compile", False)),
         )
     if states.mode == "offline":
         cache = Path(states.cache_dir) if states.cache_dir else run_dir / "states"
@@ -221,6 +223,8 @@ def _regenerate(cfg: DictConfig, target: Any, tokenizer: Any, conversations: lis
         max_new_tokens=int(regen.max_new_tokens), batch_size=int(regen.batch_size),
         temperature=float(regen.temperature), top_p=float(regen.top_p), seed=int(regen.seed),
         max_prompt_tokens=int(regen.max_prompt_tokens) if regen.max_prompt_tokens else None,
+        keep_truncated=bool(regen.keep_truncated),
+        max_turns=int(regen.max_turns) if regen.get("max_turns") else None,
         template_kwargs=_template_kwargs(cfg), model_name=str(cfg.model.name_or_path),
     )
     log.info("regenerated: %s", stats)
@@ -351,6 +355,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     regen = cfg.preprocess.regenerate
     if regen.enabled:
         conversations = _regenerate(cfg, target, tokenizer, conversations)
+        if regen.get("stop_after"):
+            print(f"# dart-train: regenerated data in {regen.output}; stopping (preprocess.regenerate.stop_after)",
+                  flush=True)
+            return {"regenerated": str(regen.output), "conversations": len(conversations)}
     cache_dir = cfg.preprocess.get("cache_dir")
     dataset = build_dataset(
         conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=_template_kwargs(cfg),

@@ -2,7 +2,7 @@
 
 API:
 - `regenerate(model, tokenizer, conversations, out_path, *, max_new_tokens=512, batch_size=8,
-  temperature=0.0, top_p=1.0, seed=0, max_prompt_tokens=None, keep_truncated=True,
+  temperature=0.0, top_p=1.0, seed=0, max_prompt_tokens=None, keep_truncated=True, max_turns=None,
   template_kwargs=None, model_name=None) -> RegenerateStats`
   Writes one JSON line per conversation to `out_path` (OpenAI-messages rows
   `{"id", "messages": [{"role", "content"}], "source", "meta"}`), which
@@ -12,8 +12,11 @@ API:
 Rule: the new conversation keeps the original's system and user messages in order; after every
 user message the target answers (its chat template with the generation prompt, exactly as served),
 and the original assistant messages are dropped. So prompt-only rows (MT-Bench style, several user
-turns) get answers too. Conversations are batched with left padding; each round generates the next
-answer of every conversation in the batch that still has one to give. Greedy when
+turns) get answers too. `max_turns` ends a conversation after that many answers (1: first turns
+only, what MT-Bench/ShareGPT first-turn serving sees; the cheapest tokens to generate). Conversations are batched with left padding; each round generates the next
+answer of every conversation in the batch that still has one to give. Conversations are ordered by
+the length of their first user message within windows of 16 batches (less left padding; a partial
+run is still a sample of the whole input), stably, so the same input always gives the same batches. Greedy when
 `temperature == 0` (answers equal `model.generate` on each prompt alone, up to batching numerics),
 else sampled with `temperature`/`top_p`; a batch's sampling seed derives from `seed` and its first
 conversation id (reproducible for the same batches). An answer stops at the end-of-turn/EOS token or
@@ -96,6 +99,9 @@ class _State:
     truncated: int = 0
     stopped: bool = False
 
+    def answers(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.messages)
+
     def advance(self) -> bool:
         """Move messages from `pending` up to and including the next user turn; False when none is left."""
         while self.pending:
@@ -119,6 +125,7 @@ def regenerate(
     seed: int = 0,
     max_prompt_tokens: int | None = None,
     keep_truncated: bool = True,
+    max_turns: int | None = None,
     template_kwargs: Mapping | None = None,
     model_name: str | None = None,
 ) -> RegenerateStats:
@@ -130,6 +137,8 @@ def regenerate(
         raise ValueError("max_new_tokens and batch_size must be positive")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
@@ -140,7 +149,8 @@ def regenerate(
     kwargs = dict(template_kwargs or {})
     stats = RegenerateStats()
     device = next(model.parameters()).device
-    generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                  "max_turns": max_turns}
 
     todo: list[Any] = []
     for conversation in conversations:
@@ -151,6 +161,15 @@ def regenerate(
             stats.skipped_no_user_turn += 1
             continue
         todo.append(conversation)
+    # Less left padding: sort by first-prompt length within windows of 16 batches, so a partial run
+    # (resumable) is still a sample of the whole input, not its shortest prompts.
+    window = 16 * batch_size
+    todo = [
+        c for start in range(0, len(todo), window)
+        for c in sorted(todo[start : start + window], key=lambda c: len(next(
+            m["content"] for m in c.messages if m["role"] == "user")))
+    ]
+    turn_limit = max_turns if max_turns is not None else float("inf")
 
     model.eval()
     with open(out, "a", encoding="utf-8") as sink:
@@ -210,7 +229,7 @@ def regenerate(
                     stats.answers += 1
                     content = tokenizer.decode(answer, skip_special_tokens=True)
                     state.messages.append({"role": "assistant", "content": content})
-                active = [s for s, _ in runnable if not s.stopped and s.advance()]
+                active = [s for s, _ in runnable if not s.stopped and s.answers() < turn_limit and s.advance()]
             for state in states:
                 if not any(m["role"] == "assistant" for m in state.messages):
                     stats.skipped_no_answer += 1

@@ -114,6 +114,15 @@ def test_regenerate_sampling_and_limits(model, smollm2_tokenizer, tmp_path):
     row = json.loads(limited.read_text())
     assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
     assert row["meta"]["stopped_early"] and stats.written == 1
+    # max_turns=1: first turns only; the conversation simply ends there (not "stopped early").
+    first = tmp_path / "first.jsonl"
+    stats = regenerate(model, smollm2_tokenizer, CONVERSATIONS[:1], first, max_new_tokens=NEW_TOKENS, max_turns=1)
+    row = json.loads(first.read_text())
+    assert [m["role"] for m in row["messages"]] == ["user", "assistant"] and stats.answers == 1
+    assert not row["meta"]["stopped_early"] and row["meta"]["generation"]["max_turns"] == 1
+    assert row["messages"][1]["content"] == reference_answers(model, smollm2_tokenizer, CONVERSATIONS[0])[0]
+    with pytest.raises(ValueError, match="max_turns"):
+        regenerate(model, smollm2_tokenizer, CONVERSATIONS, first, max_turns=0)
     # Every answer of the tiny model is cut at NEW_TOKENS: without keep_truncated nothing is left.
     dropped = regenerate(model, smollm2_tokenizer, CONVERSATIONS, tmp_path / "k.jsonl", max_new_tokens=NEW_TOKENS,
                          keep_truncated=False)
