@@ -383,8 +383,10 @@ def collate(items: Sequence[Mapping[str, Any]], pad_token_id: int = 0) -> dict[s
     return collate_packed([[item] for item in items], pad_token_id)
 
 
-def collate_packed(rows: Sequence[Sequence[Mapping[str, Any]]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Rows of several dataset items each, concatenated and right-padded.
+def collate_packed(
+    rows: Sequence[Sequence[Mapping[str, Any]]], pad_token_id: int = 0, width: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Rows of several dataset items each, concatenated and right-padded (to `width` if given).
 
     Besides `collate`'s fields: "document_ids" [B,T] (the item's slot in its row; padding gets its
     own id), "segments" [N,3] (row, first column, dataset index) of every item. "position_ids"
@@ -396,7 +398,10 @@ def collate_packed(rows: Sequence[Sequence[Mapping[str, Any]]], pad_token_id: in
     if not rows or not all(rows):
         raise ValueError("cannot collate an empty batch or an empty row")
     lengths = torch.tensor([sum(int(item["input_ids"].numel()) for item in row) for row in rows], dtype=torch.long)
-    batch, width = len(rows), int(lengths.max())
+    batch, longest = len(rows), int(lengths.max())
+    if width is not None and width < longest:
+        raise ValueError(f"a packed row holds {longest} tokens, more than width={width}")
+    width = longest if width is None else width
     input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros(batch, width, dtype=torch.bool)
     position_ids = torch.zeros(batch, width, dtype=torch.long)
@@ -626,7 +631,9 @@ class ResumableLoader:
             batch = batches[self.position]
             self.position += 1
             if getattr(self.batch_sampler, "packed", False):
-                yield collate_packed([[self.dataset[i] for i in row] for row in batch], self.pad_token_id)
+                # Full-width rows: every batch has the same shape (compiled targets never recompile).
+                rows = [[self.dataset[i] for i in row] for row in batch]
+                yield collate_packed(rows, self.pad_token_id, width=self.batch_sampler.row_tokens)
             else:
                 yield collate([self.dataset[i] for i in batch], self.pad_token_id)
         self.epoch += 1

@@ -9,7 +9,9 @@ keeps drift out of the ratios; the first round is warm-up and not counted):
     `autocast`  fp32 weights under bf16 autocast (the old default),
     `bf16`      a bf16 copy of the target (weights cast once: `states.target_dtype=auto` here),
   with padded length buckets (`buckets`) or packed rows (`packed`, `trainer.pack_length`), and the
-  head in fp32 or under bf16 autocast (`autocast`, `trainer.autocast=auto` here);
+  head in fp32 or under bf16 autocast (`autocast`, `trainer.autocast=auto` here); `labels`: the
+  target's top-k soft labels only at positions training reads (what `dart-train` does online);
+  `compiled`: the target through torch.compile (`states.compile=true`; the warm-up round compiles);
 - offline: states precomputed once with the bf16 target (timed; bytes per token reported), then
   training reads them: old (buckets, fp32 head) vs new (packed, autocast head).
 Prints real (non-padding) tokens per second of micro-steps, the share of time getting target states,
@@ -136,12 +138,16 @@ def main() -> None:
         tmp_path = Path(tmp)
         autocast = OnlineStateSource(target_fp32, topk=args.topk, autocast_dtype=torch.bfloat16)
         bf16 = OnlineStateSource(target_bf16, topk=args.topk)
-        old, new = "online OLD autocast/buckets/fp32", "online NEW bf16/packed/autocast"
+        bf16_labels = OnlineStateSource(target_bf16, topk=args.topk, labels_only=True)
+        compiled = OnlineStateSource(target_bf16, topk=args.topk, labels_only=True, compile=True)
+        old, new = "online OLD autocast/buckets/fp32", "online NEW bf16/packed/autocast/labels/compiled"
         online = interleaved({
             old: trainer(autocast, "buckets", tmp_path / "a"),
             "online bf16/buckets/fp32": trainer(bf16, "buckets", tmp_path / "b"),
             "online bf16/packed/fp32": trainer(bf16, "packed", tmp_path / "c"),
-            new: trainer(bf16, "packed", tmp_path / "d", "bfloat16"),
+            "online bf16/packed/autocast": trainer(bf16, "packed", tmp_path / "d", "bfloat16"),
+            "online bf16/packed/autocast/labels": trainer(bf16_labels, "packed", tmp_path / "g", "bfloat16"),
+            new: trainer(compiled, "packed", tmp_path / "h", "bfloat16"),
         })
         results["online"] = online
         ratio = online[new]["tokens_per_s"] / online[old]["tokens_per_s"]

@@ -251,3 +251,43 @@ def test_packed_rows_equal_sequences_alone(target, dataset, tmp_path):
         torch.testing.assert_close(cached["target_topk_logprobs"], source(batch)["target_topk_logprobs"],
                                    rtol=1e-4, atol=1e-4)
     assert checked > 50
+
+
+def test_labels_only_gives_the_same_loss_and_alphas(target, dataset):
+    from dart_infer.model import DartDraftConfig, DartDraftModel
+    from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
+    from dart_train.states import label_positions
+
+    batch = collate([dataset[i] for i in range(6)])
+    full = OnlineStateSource(target, topk=TOPK, hidden_dtype=torch.float32)(batch)
+    some = OnlineStateSource(target, topk=TOPK, hidden_dtype=torch.float32, labels_only=True)(batch)
+    where = label_positions(batch["loss_mask"])
+    assert 0 < int(where.sum()) < int(batch["attention_mask"].sum())
+    for key in ("target_topk_logprobs", "target_topk_ids"):
+        assert torch.equal(some[key][where], full[key][where]) and not some[key][~where].any()
+    torch.manual_seed(4)
+    head = DartDraftModel(DartDraftConfig.from_target_config(target.model.config, draft_length=3,
+                                                             draft_vocab_size=VOCAB)).eval()
+    head.set_target_embedding(target.embedding_weight)
+    head.set_vocab_mapping(torch.arange(VOCAB))
+    layout = build_layout(batch["loss_mask"], 3)
+    logits = draft_forward(head, full["aux_hidden"], batch["input_ids"], layout)
+    a, b = (annealed_kl_loss(logits, layout, head.d2t, target_logprobs=s["target_topk_logprobs"],
+                             target_ids=s["target_topk_ids"]) for s in (full, some))
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.correct, b.correct) and torch.equal(a.rows, b.rows)
+
+
+def test_compiled_target_gives_the_states_of_the_eager_one(target, dataset):
+    """`states.compile=true`: the same states from torch.compile'd weights, one compile per batch shape."""
+    from dart_train.data import PackedBatchSampler
+
+    sampler = PackedBatchSampler(dataset.lengths, row_tokens=64, max_tokens=128, seed=2)
+    loader = ResumableLoader(dataset, sampler)
+    eager = OnlineStateSource(target, topk=TOPK, hidden_dtype=torch.float32, labels_only=True)
+    compiled = OnlineStateSource(target, topk=TOPK, hidden_dtype=torch.float32, labels_only=True, compile=True)
+    assert compiled.target.model is not target.model and eager.target is target
+    for batch in loader:
+        assert batch["input_ids"].shape[1] == 64  # full-width rows: static shapes
+        a, b = eager(batch), compiled(batch)
+        torch.testing.assert_close(b["aux_hidden"], a["aux_hidden"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b["target_topk_logprobs"], a["target_topk_logprobs"], rtol=1e-4, atol=1e-4)
