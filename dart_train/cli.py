@@ -129,9 +129,30 @@ def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any, embedding: t
         torch.manual_seed(int(cfg.seed))
         head = DartDraftModel(config).float()
         head.set_vocab_mapping(vocab_mapping_fn(int(draft_vocab)))
+        if draft_cfg.get("init_output_from_target", False):
+            init_output_from_target(head, target.model)
     check_head_matches_target(head, target)
     head.set_target_embedding(target.embedding_weight if embedding is None else embedding)
     return head.train()
+
+
+def init_output_from_target(head: Any, model: Any) -> None:
+    """Start the head's output where the target's is: `lm_head` rows = the target's output embedding
+    at the draft vocabulary's ids, and the final norm's weight = the target's when both are the same
+    kind of RMSNorm (the draft's final hidden state then starts in a space the target's head reads)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    output = model.get_output_embeddings()
+    if output is None or tuple(output.weight.shape[1:]) != (head.config.hidden_size,):
+        raise ValueError("draft.init_output_from_target needs a target whose output embedding is [vocab, hidden]")
+    ids = torch.arange(head.d2t.numel()) + head.d2t.cpu()
+    with torch.no_grad():
+        head.lm_head.weight.copy_(output.weight.detach()[ids.to(output.weight.device)].float().cpu())
+        norm = getattr(getattr(model, "model", None), "norm", None)
+        if type(norm) is LlamaRMSNorm and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(norm.weight.detach().float().cpu())
+        else:
+            log.info("draft.init_output_from_target: the target's final norm (%s) is not copied", type(norm).__name__)
 
 
 def _load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:

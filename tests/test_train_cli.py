@@ -232,3 +232,21 @@ def test_states_target_is_a_bf16_copy_and_the_head_keeps_the_served_embedding(ti
     assert target.dtype == torch.float32 and torch.equal(embedding, served)
     with pytest.raises(ValueError, match="unknown dtype"):
         _load_target(_compose(*base, "states.target_dtype=bf17"))
+
+
+def test_init_output_from_target_copies_the_target_rows(tiny_checkpoint, conversations_file, tmp_path) -> None:
+    from dart_train.cli import _load_target, build_head
+
+    cfg = _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "run"),
+                   "draft.init_output_from_target=true", "states.target_dtype=float32")
+    target, _, embedding = _load_target(cfg)
+    with torch.no_grad():
+        target.model.model.norm.weight.mul_(1.5)  # not the draft norm's default of ones
+    mapping = torch.arange(0, 1024, 2)  # every other target id
+    head = build_head(target, cfg, lambda n: mapping[:n], embedding)
+    output = target.model.get_output_embeddings().weight
+    assert torch.equal(head.lm_head.weight, output[mapping])
+    assert torch.equal(head.norm.weight, target.model.model.norm.weight)
+    plain = build_head(target, _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "b")),
+                       lambda n: mapping[:n], embedding)
+    assert not torch.equal(plain.lm_head.weight, output[mapping])
