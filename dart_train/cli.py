@@ -181,7 +181,9 @@ def _load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
 
 
 def _state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> Any:
-    from dart_train.states import OfflineStateSource, OnlineStateSource, precompute_states
+    from dart_train.online_states import OnlineStateSource
+    from dart_train.state_cache_reader import OfflineStateSource
+    from dart_train.state_cache_writer import precompute_states
 
     states = cfg.states
     topk = states.topk
@@ -211,9 +213,9 @@ def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConf
         return None
     from dart_infer.conversations import load_conversations
     from dart_infer.loading import eos_token_ids, load_trie
-    from dart_train.data import build_dataset
+    from dart_train.dataset import build_dataset
     from dart_train.evaluate import SimulatedTau
-    from dart_train.states import OnlineStateSource
+    from dart_train.online_states import OnlineStateSource
 
     conversations = load_conversations(str(ev.source), split=ev.split, limit=ev.limit)
     dataset = build_dataset(
@@ -337,14 +339,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
     from dart_infer.conversations import load_conversations
-    from dart_train.data import (
-        LengthBucketBatchSampler,
-        PackedBatchSampler,
-        ResumableLoader,
-        build_dataset,
-        build_vocab_mapping,
-    )
+    from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
+    from dart_train.dataset import build_dataset
     from dart_train.engine import DartTrainer, init_distributed
+    from dart_train.vocab import build_vocab_mapping
 
     if cfg.output_dir:
         run_dir = Path(str(cfg.output_dir))

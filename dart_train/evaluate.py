@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dart_train.data import collate
+from dart_train.batching import collate
 from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
 
 __all__ = ["SimulatedTau", "accepted_length"]

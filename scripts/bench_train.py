@@ -53,20 +53,14 @@ def main() -> None:
     from dart_infer.conversations import load_conversations
     from dart_infer.model import DartDraftConfig, DartDraftModel
     from dart_infer.target import TargetModel
-    from dart_train.data import (
-        LengthBucketBatchSampler,
-        PackedBatchSampler,
-        ResumableLoader,
-        build_dataset,
-        build_vocab_mapping,
-    )
+    from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
+    from dart_train.dataset import build_dataset
     from dart_train.engine import DartTrainer, TrainSettings
-    from dart_train.states import (
-        OfflineStateSource,
-        OnlineStateSource,
-        cache_bytes_per_token,
-        precompute_states,
-    )
+    from dart_train.online_states import OnlineStateSource
+    from dart_train.state_cache import cache_bytes_per_token
+    from dart_train.state_cache_reader import OfflineStateSource
+    from dart_train.state_cache_writer import precompute_states
+    from dart_train.vocab import build_vocab_mapping
 
     path = resolve_model(args.model)
     fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -27,9 +27,9 @@ from dart_infer.cli import configs_dir
 from dart_infer.conversations import load_conversations
 from dart_infer.evaluate import chat_prompt, first_turn
 from dart_infer.generate import DartModel
-from dart_train.data import build_dataset
+from dart_train.dataset import build_dataset
 from dart_train.evaluate import SimulatedTau
-from dart_train.states import OnlineStateSource
+from dart_train.online_states import OnlineStateSource
 
 
 def main() -> None:

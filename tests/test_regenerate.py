@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dart_infer.conversations import Conversation, load_conversations
-from dart_train.data import build_dataset
+from dart_train.dataset import build_dataset
 from dart_train.regenerate import regenerate
 
 NEW_TOKENS = 6

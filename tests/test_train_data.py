@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from dart_infer.conversations import Conversation
-from dart_train.data import (
-    ChatTemplateError,
+from dart_train.batching import (
     LengthBucketBatchSampler,
     PackedBatchSampler,
     ResumableLoader,
-    TokenizedDataset,
-    build_dataset,
-    build_vocab_mapping,
     collate,
     collate_packed,
-    tokenize_conversation,
 )
+from dart_train.dataset import TokenizedDataset, build_dataset
+from dart_train.template import ChatTemplateError, tokenize_conversation
+from dart_train.vocab import build_vocab_mapping
 
 # A Qwen3-like ChatML template written for this test: the reasoning of the turns after the last user
 # message is rendered in a <think> block (empty when there is none), earlier turns lose it, and

@@ -11,9 +11,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dart_infer.model import DartDraftConfig, DartDraftModel
 from dart_infer.target import TargetModel
-from dart_train.data import LengthBucketBatchSampler, ResumableLoader, TokenizedDataset, build_vocab_mapping
+from dart_train.batching import LengthBucketBatchSampler, ResumableLoader
+from dart_train.dataset import TokenizedDataset
 from dart_train.engine import DartTrainer, TrainSettings, cosine_with_warmup
-from dart_train.states import OnlineStateSource
+from dart_train.online_states import OnlineStateSource
+from dart_train.vocab import build_vocab_mapping
 
 VOCAB = 64
 

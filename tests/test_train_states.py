@@ -9,14 +9,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dart_infer.target import TargetModel
-from dart_train.data import LengthBucketBatchSampler, ResumableLoader, TokenizedDataset, collate
-from dart_train.states import (
-    OfflineStateSource,
-    OnlineStateSource,
-    StateCacheError,
-    cache_bytes_per_token,
-    precompute_states,
-)
+from dart_train.batching import LengthBucketBatchSampler, ResumableLoader, collate
+from dart_train.dataset import TokenizedDataset
+from dart_train.online_states import OnlineStateSource
+from dart_train.state_cache import StateCacheError, cache_bytes_per_token
+from dart_train.state_cache_reader import OfflineStateSource
+from dart_train.state_cache_writer import precompute_states
 
 VOCAB, HIDDEN, TOPK = 97, 32, 8
 
@@ -155,7 +153,7 @@ def test_offline_equals_online_on_smollm2(smollm2_dir, smollm2_tokenizer, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from dart_infer.conversations import Conversation
-    from dart_train.data import build_dataset
+    from dart_train.dataset import build_dataset
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
     real = TargetModel(model.eval())
@@ -199,7 +197,7 @@ def test_ranks_share_one_cache(target, dataset, tmp_path, monkeypatch):
 def test_packed_rows_equal_sequences_alone(target, dataset, tmp_path):
     """A packed row gives each sequence exactly the target states, draft logits and losses it gets alone."""
     from dart_infer.model import DartDraftConfig, DartDraftModel
-    from dart_train.data import PackedBatchSampler, collate_packed
+    from dart_train.batching import PackedBatchSampler, collate_packed
     from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
 
     sampler = PackedBatchSampler(dataset.lengths, row_tokens=64, max_tokens=128, seed=2)
@@ -256,7 +254,7 @@ def test_packed_rows_equal_sequences_alone(target, dataset, tmp_path):
 def test_labels_only_gives_the_same_loss_and_alphas(target, dataset):
     from dart_infer.model import DartDraftConfig, DartDraftModel
     from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
-    from dart_train.states import label_positions
+    from dart_train.state_source import label_positions
 
     batch = collate([dataset[i] for i in range(6)])
     full = OnlineStateSource(target, topk=TOPK, hidden_dtype=torch.float32)(batch)
@@ -279,7 +277,7 @@ def test_labels_only_gives_the_same_loss_and_alphas(target, dataset):
 
 def test_compiled_target_gives_the_states_of_the_eager_one(target, dataset):
     """`states.compile=true`: the same states from torch.compile'd weights, one compile per batch shape."""
-    from dart_train.data import PackedBatchSampler
+    from dart_train.batching import PackedBatchSampler
 
     sampler = PackedBatchSampler(dataset.lengths, row_tokens=64, max_tokens=128, seed=2)
     loader = ResumableLoader(dataset, sampler)
