@@ -9,8 +9,9 @@
 Each rank trains on every world_size-th batch; rank 0 logs, writes checkpoints' metadata and exports.)
 
 The entry point only wires library pieces: conversations (`dart_infer.conversations`) → tokens, loss
-masks, draft vocabulary (`dart_train.data`) → target states online or from an offline cache
-(`dart_train.states`) → DeepSpeed training (`dart_train.engine`) with simulated-τ evaluation
+masks (`dart_train.template`, `dart_train.dataset`), draft vocabulary (`dart_train.vocab`), batches
+(`dart_train.batching`) → target states online (`dart_train.online_states`) or from an offline cache
+(`dart_train.state_cache_*`) → DeepSpeed training (`dart_train.engine`) with simulated-τ evaluation
 (`dart_train.evaluate`) → an exported head in `<run_dir>/head` that `DartModel.from_pretrained` loads.
 
 Run directory: Hydra's run dir unless `output_dir` is set. A directory that already holds a run

@@ -202,9 +202,9 @@ class _ObjectiveModule(nn.Module):
 class DartTrainer:
     """Trains a `DartDraftModel` with DeepSpeed on batches from a resumable loader + state source.
 
-    `loader`: a `dart_train.data.ResumableLoader` (or anything iterable with `state_dict`/
+    `loader`: a `dart_train.batching.ResumableLoader` (or anything iterable with `state_dict`/
     `load_state_dict` and `__len__`); `state_source(batch)` adds "aux_hidden" and the target's
-    soft labels (`dart_train.states`). `evaluator(draft_model) -> dict` (e.g. simulated τ from
+    soft labels (`dart_train.online_states`, `dart_train.state_cache_reader`). `evaluator(draft_model) -> dict` (e.g. simulated τ from
     `dart_train.evaluate`) runs every `eval_every` steps; its "tau" picks the best checkpoint.
     """
 

@@ -64,8 +64,8 @@ def accepted_length(draft_tokens: torch.Tensor, retrieve_indices: torch.Tensor, 
 class SimulatedTau:
     """Callable evaluator: `evaluator(draft_model) -> {"tau", "tau_data", "tau_target", "alpha_j", ...}`.
 
-    dataset: a `dart_train.data.TokenizedDataset` of held-out sequences; state_source: a
-    `dart_train.states` source (target states are computed once and kept: the target is frozen).
+    dataset: a `dart_train.dataset.TokenizedDataset` of held-out sequences; state_source: a
+    state source (`dart_train.online_states`; target states are computed once and kept: the target is frozen).
     tree: `dart_infer.tree.TreeSearchSettings` or a mapping of its fields (CPU-sized trees
     by default in the train_eval config). trie: an `ngram_builder.NgramTrie` or None.
     eos_token_ids: the target's EOS set as serving resolves it (`dart_infer.loading.eos_token_ids`);

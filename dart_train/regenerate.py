@@ -130,7 +130,7 @@ def regenerate(
     model_name: str | None = None,
 ) -> RegenerateStats:
     """Regenerate every assistant turn with `model` and append the conversations to `out_path` (JSONL)."""
-    from dart_train.data import check_chat_template
+    from dart_train.template import check_chat_template
 
     check_chat_template(tokenizer)
     if max_new_tokens < 1 or batch_size < 1:

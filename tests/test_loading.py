@@ -70,7 +70,7 @@ def test_regenerate_stops_at_the_serving_eos_set(monkeypatch, tmp_path) -> None:
         def decode(self, ids, skip_special_tokens=True):
             return "ok"
 
-    monkeypatch.setattr("dart_train.data.check_chat_template", lambda tokenizer: None)
+    monkeypatch.setattr("dart_train.template.check_chat_template", lambda tokenizer: None)
     conversation = SimpleNamespace(id="c", messages=[{"role": "user", "content": "hi"}], source="t", meta={})
     stats = regen.regenerate(Model(), Tokenizer(), [conversation], tmp_path / "out.jsonl", max_new_tokens=4)
     assert seen["eos"] == list(eos_token_ids(Model(), Tokenizer())) == [END_OF_TEXT, EOT]

@@ -1,4 +1,4 @@
-"""dart_train.data: golden loss masks (SmolLM2 + Qwen3-style templates), batching/resume, draft vocab."""
+"""dart_train.template, dataset, batching, vocab: golden loss masks (SmolLM2 + Qwen3-style templates), batching/resume, draft vocab."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""dart_train.states: online vs offline target states, resumable + verified offline cache."""
+"""dart_train.online_states and state_cache_*: online vs offline target states, resumable + verified offline cache."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_corrupt_shard_and_mismatches(target, dataset, tmp_path, caplog):
     with pytest.raises(StateCacheError, match="corrupt"):
         source(collate([dataset[5]]))
     # Resuming recomputes the damaged shard; then it reads fine.
-    with caplog.at_level("WARNING", logger="dart_train.states"):
+    with caplog.at_level("WARNING", logger="dart_train"):
         precompute_states(target, dataset, cache, topk=TOPK, shard_size=4, max_tokens=64)
     assert "shard-00001.safetensors is missing or corrupt" in caplog.text
     OfflineStateSource(cache, dataset)(collate([dataset[5]]))
