@@ -15,7 +15,7 @@ import torch
 
 from dart_infer import _search
 
-__all__ = ["tree_search"]
+__all__ = ["ContextNgram", "tree_search"]
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
 
@@ -59,6 +59,45 @@ def _weights(weights: Sequence[float] | torch.Tensor | np.ndarray | None) -> Any
     return weights
 
 
+class ContextNgram(_search.ContextNgram):
+    """The request's own n-gram model (prompt + accepted tokens), a second n-gram source for the
+    tree search next to the corpus trie (beyond the paper; see ``tree_search``'s ``context``).
+
+    Counts every n-gram of up to ``order`` tokens (2..5) of the tokens seen, in C++ hash maps that
+    grow by ``order - 1`` updates per token: keep one per request and ``sync`` it with the history
+    before each search, which adds only the new tokens. Queries answer exactly as the corpus trie's
+    (``NgramTrie.probability``): ``count(ctx + tok) / count(ctx)`` at the longest suffix of the
+    context that was followed by ``tok``, where ``count(ctx)`` counts the times ``ctx`` was followed
+    by a token.
+
+    Methods: ``extend(tokens)``, ``sync(history)``, ``probability(context, tokens) -> (probs,
+    matched)`` (numpy float32/int32), ``top_continuation(context) -> (token, prob, matched) | None``
+    (most frequent continuation of the longest seen suffix; ties: the most recent); ``len()``,
+    ``order``, ``num_contexts``. Token ids: 1-D int tensors/arrays or lists of ints >= 0.
+    """
+
+    def __init__(self, order: int = 3, tokens: torch.Tensor | np.ndarray | Sequence[int] | None = None) -> None:
+        super().__init__(order)
+        if tokens is not None:
+            self.extend(tokens)
+
+    def extend(self, tokens: torch.Tensor | np.ndarray | Sequence[int]) -> None:
+        """Adds `tokens` after those seen (all or nothing: a negative id adds none)."""
+        super().extend(_tokens_array(tokens, "tokens"))
+
+    def sync(self, history: torch.Tensor | np.ndarray | Sequence[int]) -> None:
+        """Brings the model up to `history` (everything seen so far, then the new tokens): adds
+        ``history[len(self):]``. Raises ValueError when `history` is shorter than what was seen or
+        does not continue it (checked on the last ``order - 1`` tokens seen)."""
+        super().sync(_tokens_array(history, "history"))
+
+    def probability(self, context: Any, tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+        return super().probability(_tokens_array(context, "context"), _tokens_array(tokens, "tokens"))
+
+    def top_continuation(self, context: Any) -> tuple[int, float, int] | None:
+        return super().top_continuation(_tokens_array(context, "context"))
+
+
 # Stands in for a missing EOS id: candidate ids are vocabulary ids, so this one never matches.
 _NO_EOS = 2**31 - 1
 
@@ -78,6 +117,9 @@ def tree_search(
     ngram_on_first_level: bool = False,
     vocab_size: int | None = None,
     return_parents: bool = False,
+    context: ContextNgram | None = None,
+    context_weight: float = 0.0,
+    context_propose: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Builds one draft tree from the draft head's top-k candidates (dart-method.md §4).
 
@@ -90,15 +132,25 @@ def tree_search(
     children generated, the best ``remain_total`` by score form the tree (a child never outscores
     its parent, and ties keep the shallower node, so the kept set is always a tree).
 
+    Context n-grams (beyond the paper): with a ``context`` model and ``context_weight`` w > 0, the
+    n-gram term's probability is ``(1 - w) * p_trie + w * p_context`` (``p_trie`` = 0 without a
+    trie; the term then applies even with ``trie=None``), at the same levels and with the same
+    ``ngram_weight``; at w = 0 the search is exactly the one without a context model. With
+    ``context_propose``, wherever that term applies, the context's most frequent continuation of
+    each beam path (after its longest seen context) becomes one more child of that path when the
+    level's candidates lack it, scored with the level's smallest draft probability (it was not in
+    the draft's top k) and its n-gram term: this is how spans that repeat the context get into the
+    tree when the draft does not propose them.
+
     Args:
         topk_tokens: int32/int64 ``[d, k]`` TARGET token ids per level (draft ids already mapped
             through ``d2t``), distinct within a level, ``d >= 1``, ``k >= 1``. Torch tensors (any
             device) or numpy arrays.
         topk_probs: float ``[d, k]``, each row a softmax over its ``k`` values (every entry in
             ``[0, 1]``). float16/bfloat16 tensors are converted to float32 once.
-        trie: an ``ngram_builder.NgramTrie`` or ``None``. With ``None`` the n-gram term is left
-            out at every level, i.e. the search behaves exactly as with ``ngram_weight=0``
-            (``ngram_weight`` is then ignored).
+        trie: an ``ngram_builder.NgramTrie`` or ``None``. With ``None`` (and no context model)
+            the n-gram term is left out at every level, i.e. the search behaves exactly as with
+            ``ngram_weight=0`` (``ngram_weight`` is then ignored).
         prompt_tokens: 1-D int tensor/array or list of ints; its last element is the tree's root
             (the target's own next token). Only its last ``order - 1`` tokens are read.
         eos_token_id: paths ending in this token go last when choosing the beam (``None``: a
@@ -114,6 +166,10 @@ def tree_search(
         vocab_size: if given, every token id must be below it.
         return_parents: also return ``parents`` (int64 ``[1 + n]``, index of each node's parent,
             ``-1`` for the root).
+        context: a ``ContextNgram`` that has seen exactly ``prompt_tokens`` (same length, same last
+            tokens; checked), or ``None``. Read only when ``context_weight > 0``.
+        context_weight: the context model's share ``w`` in ``[0, 1]`` of the n-gram probability.
+        context_propose: let the context model add its continuation as a candidate (see above).
 
     Returns:
         ``(draft_tokens, retrieve_indices, tree_mask, tree_positions)`` as CPU torch tensors,
@@ -131,7 +187,9 @@ def tree_search(
         ValueError: bad shapes or dtypes, ``d`` or ``k`` < 1, ``beam_width`` or ``remain_total``
             < 1, an empty prompt, negative (or ``>= vocab_size``) token ids, a token twice in one
             level's candidates, probabilities outside
-            ``[0, 1]``, negative or non-finite weights, or a ``trie`` that is not an NgramTrie.
+            ``[0, 1]``, negative or non-finite weights, or a ``trie`` that is not an NgramTrie;
+            a ``context_weight`` outside ``[0, 1]``, a ``context`` that is not a ``ContextNgram``
+            or has not seen exactly ``prompt_tokens``.
         RuntimeError: the trie returned a probability outside ``[0, 1]``.
     """
     if not isinstance(topk_tokens, torch.Tensor | np.ndarray) or not isinstance(
@@ -154,6 +212,9 @@ def tree_search(
         _weights(logit_weight),
         ngram_on_first_level,
         0 if vocab_size is None else vocab_size,
+        context,
+        context_weight,
+        context_propose,
     )
     result = (
         torch.from_numpy(draft_tokens),

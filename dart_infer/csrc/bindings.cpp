@@ -8,12 +8,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <shared_mutex>
 #include <string>
 
+#include "context_ngram.hpp"
 #include "dart/ngram_query.hpp"
 #include "tree_search.hpp"
 
 namespace py = pybind11;
+using dart::search::ContextNgram;
 using dart::search::SearchInput;
 using dart::search::SearchParams;
 using dart::search::Workspace;
@@ -61,51 +65,64 @@ void copy_probs_2d(const py::array& array, std::vector<float>& out) {
 }
 
 template <typename T>
-void copy_prompt_tail(const py::array& array, size_t need, std::vector<int32_t>& out) {
+void copy_prompt_tail(const py::array& array, size_t need, std::vector<int32_t>& out, const char* name) {
   auto view = array.unchecked<T, 1>();
   const size_t len = static_cast<size_t>(view.shape(0));
   const size_t take = std::min(len, need);
   out.resize(take);
   for (size_t i = 0; i < take; ++i) {
-    out[i] = checked_token(static_cast<long long>(view(static_cast<py::ssize_t>(len - take + i))),
-                           "prompt_tokens");
+    out[i] = checked_token(static_cast<long long>(view(static_cast<py::ssize_t>(len - take + i))), name);
   }
 }
 
-// Reads the last `need` prompt tokens from a 1-D integer numpy array or a list/tuple of ints
-// (only the tail is touched: prompts can be long).
-void read_prompt_tail(const py::object& prompt, size_t need, std::vector<int32_t>& out) {
+// Number of tokens in a 1-D integer numpy array or a list/tuple of ints (checked as below).
+size_t token_count(const py::object& tokens, const char* name) {
+  if (py::isinstance<py::array>(tokens)) {
+    py::array array = py::reinterpret_borrow<py::array>(tokens);
+    if (array.ndim() != 1) {
+      throw std::invalid_argument(std::string(name) + " must be 1-D, got " + std::to_string(array.ndim()) + " dims");
+    }
+    return static_cast<size_t>(array.shape(0));
+  }
+  if (!py::isinstance<py::list>(tokens) && !py::isinstance<py::tuple>(tokens)) {
+    throw std::invalid_argument(std::string(name) + " must be a 1-D integer tensor/array or a list of ints, got " +
+                                py::str(py::type::of(tokens)).cast<std::string>());
+  }
+  return py::len(tokens);
+}
+
+// Reads the last `need` tokens from a 1-D integer numpy array or a list/tuple of ints (only the
+// tail is touched: prompts can be long); returns the total number of tokens.
+size_t read_prompt_tail(const py::object& prompt, size_t need, std::vector<int32_t>& out,
+                        const char* name = "prompt_tokens") {
+  const size_t len = token_count(prompt, name);
   if (py::isinstance<py::array>(prompt)) {
     py::array array = py::reinterpret_borrow<py::array>(prompt);
-    if (array.ndim() != 1) {
-      throw std::invalid_argument("prompt_tokens must be 1-D, got " + std::to_string(array.ndim()) + " dims");
+    if (array.dtype().is(py::dtype::of<int64_t>())) copy_prompt_tail<int64_t>(array, need, out, name);
+    else if (array.dtype().is(py::dtype::of<int32_t>())) copy_prompt_tail<int32_t>(array, need, out, name);
+    else {
+      throw std::invalid_argument(std::string(name) + " must hold int32 or int64 token ids, got dtype " +
+                                  dtype_name(array));
     }
-    if (array.dtype().is(py::dtype::of<int64_t>())) return copy_prompt_tail<int64_t>(array, need, out);
-    if (array.dtype().is(py::dtype::of<int32_t>())) return copy_prompt_tail<int32_t>(array, need, out);
-    throw std::invalid_argument("prompt_tokens must hold int32 or int64 token ids, got dtype " +
-                                dtype_name(array));
-  }
-  if (!py::isinstance<py::list>(prompt) && !py::isinstance<py::tuple>(prompt)) {
-    throw std::invalid_argument("prompt_tokens must be a 1-D integer tensor/array or a list of ints, got " +
-                                py::str(py::type::of(prompt)).cast<std::string>());
+    return len;
   }
   py::sequence seq = py::reinterpret_borrow<py::sequence>(prompt);
-  const size_t len = seq.size();
   const size_t take = std::min(len, need);
   out.resize(take);
   for (size_t i = 0; i < take; ++i) {
     py::object item = seq[len - take + i];
     if (!py::isinstance<py::int_>(item) || py::isinstance<py::bool_>(item)) {
-      throw std::invalid_argument("prompt_tokens must contain ints, got " +
+      throw std::invalid_argument(std::string(name) + " must contain ints, got " +
                                   py::str(py::type::of(item)).cast<std::string>());
     }
     const long long value = PyLong_AsLongLong(item.ptr());
     if (value == -1 && PyErr_Occurred()) {
       PyErr_Clear();
-      throw std::invalid_argument("prompt_tokens contains a token id that does not fit in 64 bits");
+      throw std::invalid_argument(std::string(name) + " contains a token id that does not fit in 64 bits");
     }
-    out[i] = checked_token(value, "prompt_tokens");
+    out[i] = checked_token(value, name);
   }
+  return len;
 }
 
 // Per-level weights: None -> the original's defaults, else one finite value per level.
@@ -152,10 +169,37 @@ py::array_t<T> to_numpy(const T* data, std::initializer_list<py::ssize_t> shape)
   return array;
 }
 
+// The context model, or null for None.
+const ContextNgram* context_of(const py::object& context) {
+  if (context.is_none()) return nullptr;
+  if (!py::isinstance<ContextNgram>(context)) {
+    throw std::invalid_argument("context must be a dart_infer.search.ContextNgram (or None), got " +
+                                py::str(py::type::of(context)).cast<std::string>());
+  }
+  return context.cast<const ContextNgram*>();
+}
+
+// The context model must have seen exactly the prompt: as many tokens, ending the same way.
+void check_context_matches_prompt(const ContextNgram& context, size_t prompt_len, const std::vector<int32_t>& tail) {
+  bool same = context.size() == static_cast<int64_t>(prompt_len);
+  const size_t compare = std::min(tail.size(), static_cast<size_t>(context.tail_len()));
+  for (size_t i = 0; same && i < compare; ++i) {
+    same = context.tail()[context.tail_len() - compare + i] == tail[tail.size() - compare + i];
+  }
+  if (!same) {
+    throw std::invalid_argument("the context model is out of step with prompt_tokens: it has seen " +
+                                std::to_string(context.size()) + " tokens, prompt_tokens has " +
+                                std::to_string(prompt_len) +
+                                (context.size() == static_cast<int64_t>(prompt_len) ? " but ends differently" : "") +
+                                " (sync it with the history before each search)");
+  }
+}
+
 py::tuple search(const py::array& topk_tokens, const py::array& topk_probs, const py::object& trie,
                  const py::object& prompt_tokens, long long eos_token_id, long long beam_width,
                  long long remain_total, double ngram_weight, const py::object& level_weight,
-                 const py::object& logit_weight, bool ngram_on_first_level, long long vocab_size) {
+                 const py::object& logit_weight, bool ngram_on_first_level, long long vocab_size,
+                 const py::object& context_model, double context_weight, bool context_propose) {
   thread_local InputBuffers buffers;
   thread_local Workspace workspace;
 
@@ -202,6 +246,11 @@ py::tuple search(const py::array& topk_tokens, const py::array& topk_probs, cons
   }
   params.ngram_weight = static_cast<float>(ngram_weight);
   params.ngram_on_first_level = ngram_on_first_level;
+  if (!std::isfinite(context_weight) || context_weight < 0 || context_weight > 1) {
+    throw std::invalid_argument("context_weight must lie in [0, 1], got " + std::to_string(context_weight));
+  }
+  params.context_weight = static_cast<float>(context_weight);
+  params.context_propose = context_propose;
   if (vocab_size < 0) throw std::invalid_argument("vocab_size must be positive (or None)");
   params.vocab_size = vocab_size;
   read_weights(level_weight, levels, true, "level_weight", buffers.level_weight);
@@ -211,8 +260,11 @@ py::tuple search(const py::array& topk_tokens, const py::array& topk_probs, cons
 
   py::object capsule;
   const dart::NgramQuery* query = ngram_query_of(trie, capsule);
-  const int order = query != nullptr ? query->order() : 1;
-  read_prompt_tail(prompt_tokens, static_cast<size_t>(std::max(order - 1, 1)), buffers.prompt_tail);
+  const ContextNgram* context = context_weight > 0 ? context_of(context_model) : nullptr;
+  int order = query != nullptr ? query->order() : 1;
+  if (context != nullptr) order = std::max(order, context->order());
+  const size_t prompt_len =
+      read_prompt_tail(prompt_tokens, static_cast<size_t>(std::max(order - 1, 1)), buffers.prompt_tail);
 
   SearchInput input;
   input.levels = levels;
@@ -222,9 +274,15 @@ py::tuple search(const py::array& topk_tokens, const py::array& topk_probs, cons
   input.prompt_tail = buffers.prompt_tail.data();
   input.prompt_tail_len = static_cast<int64_t>(buffers.prompt_tail.size());
   {
-    // `trie` and `capsule` stay referenced by this frame while the search uses the pointer.
+    // `trie`, `capsule` and `context_model` stay referenced by this frame while the search uses the
+    // pointers. The context model is read under its shared lock (released before the GIL is retaken).
     py::gil_scoped_release release;
-    dart::search::tree_search(input, params, query, workspace);
+    std::shared_lock<std::shared_mutex> lock;
+    if (context != nullptr) {
+      lock = std::shared_lock<std::shared_mutex>(context->mutex());
+      check_context_matches_prompt(*context, prompt_len, buffers.prompt_tail);
+    }
+    dart::search::tree_search(input, params, query, context, workspace);
   }
 
   const dart::search::Tree& tree = workspace.tree;
@@ -238,14 +296,81 @@ py::tuple search(const py::array& topk_tokens, const py::array& topk_probs, cons
                         to_numpy(tree.parents.data(), {n}));
 }
 
+// Token ids of a 1-D integer array or list as int32 (only the last `need` of them).
+std::vector<int32_t> tokens_tail(const py::object& tokens, size_t need, const char* name) {
+  std::vector<int32_t> out;
+  read_prompt_tail(tokens, need, out, name);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_search, m) {
+  py::class_<ContextNgram>(m, "ContextNgram",
+                           "Per-request n-gram model of the tokens seen so far (prompt + accepted tokens), "
+                           "updated incrementally; queried like the corpus trie.")
+      .def(py::init<int>(), py::arg("order") = 3)
+      .def_property_readonly("order", &ContextNgram::order)
+      .def_property_readonly("num_contexts", &ContextNgram::num_contexts)
+      .def("__len__", [](const ContextNgram& self) { return self.size(); })
+      .def(
+          "extend",
+          [](ContextNgram& self, const py::object& tokens) {
+            const std::vector<int32_t> ids = tokens_tail(tokens, std::numeric_limits<size_t>::max(), "tokens");
+            self.extend(ids.data(), ids.size());
+          },
+          py::arg("tokens"), "Appends tokens (1-D int array or list).")
+      .def(
+          "sync",
+          [](ContextNgram& self, const py::object& history) {
+            // Only the part from the last tokens already seen onwards is read: O(new tokens).
+            const size_t len = token_count(history, "history");
+            const size_t seen = static_cast<size_t>(self.size()) - static_cast<size_t>(self.tail_len());
+            if (len < static_cast<size_t>(self.size())) {
+              throw std::invalid_argument("history has " + std::to_string(len) + " tokens, fewer than the " +
+                                          std::to_string(self.size()) +
+                                          " this context model has seen (use one context model per request)");
+            }
+            const std::vector<int32_t> part = tokens_tail(history, len - seen, "history");
+            self.sync(part.data(), static_cast<int64_t>(seen), static_cast<int64_t>(len));
+          },
+          py::arg("history"),
+          "Brings the model up to `history` (everything seen so far, then new tokens): adds only the new "
+          "tokens, after checking that the last ones seen are where they should be.")
+      .def(
+          "probability",
+          [](const ContextNgram& self, const py::object& context, const py::object& tokens) {
+            const std::vector<int32_t> ctx = tokens_tail(context, std::numeric_limits<size_t>::max(), "context");
+            const std::vector<int32_t> ids = tokens_tail(tokens, std::numeric_limits<size_t>::max(), "tokens");
+            py::array_t<float> probs(static_cast<py::ssize_t>(ids.size()));
+            py::array_t<int32_t> matched(static_cast<py::ssize_t>(ids.size()));
+            std::shared_lock lock(self.mutex());
+            self.probability(ctx.data(), ctx.size(), ids.data(), ids.size(), probs.mutable_data(),
+                             matched.mutable_data());
+            return py::make_tuple(probs, matched);
+          },
+          py::arg("context"), py::arg("tokens"),
+          "Back-off probabilities of `tokens` after `context` and the matched context lengths, as the trie's.")
+      .def(
+          "top_continuation",
+          [](const ContextNgram& self, const py::object& context) -> py::object {
+            const std::vector<int32_t> ctx = tokens_tail(context, std::numeric_limits<size_t>::max(), "context");
+            int32_t token = -1, matched = 0;
+            float prob = 0.0f;
+            std::shared_lock lock(self.mutex());
+            if (!self.top_continuation(ctx.data(), ctx.size(), &token, &prob, &matched)) return py::none();
+            return py::make_tuple(token, prob, matched);
+          },
+          py::arg("context"),
+          "(token, probability, matched length) of the most frequent continuation of the longest seen "
+          "suffix of `context` (ties: the most recent), or None.");
+
   m.doc() = "C++ tree search of DART: top-k draft logits + n-gram trie -> draft tree";
   m.def("search", &search, py::arg("topk_tokens"), py::arg("topk_probs"), py::arg("trie"),
         py::arg("prompt_tokens"), py::arg("eos_token_id"), py::arg("beam_width"),
         py::arg("remain_total"), py::arg("ngram_weight"), py::arg("level_weight"), py::arg("logit_weight"),
-        py::arg("ngram_on_first_level"), py::arg("vocab_size"),
+        py::arg("ngram_on_first_level"), py::arg("vocab_size"), py::arg("context") = py::none(),
+        py::arg("context_weight") = 0.0, py::arg("context_propose") = false,
         "Runs one tree search. Arrays in: topk_tokens int32/int64 [d, k], topk_probs float32/float64 "
         "[d, k]; prompt_tokens a 1-D int array or list (last = root). Returns numpy arrays "
         "(draft_tokens int64 [n], retrieve_indices int64 [leaves, max_depth + 1], tree_mask bool [n, n], "

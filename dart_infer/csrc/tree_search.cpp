@@ -89,8 +89,9 @@ void check_token(int64_t token, int64_t vocab_size, const char* what) {
   }
 }
 
-// Checks the inputs; returns the number of children the search will generate.
-int64_t validate(const SearchInput& in, const SearchParams& p, std::vector<int32_t>& scratch) {
+// Checks the inputs; returns the most children the search can generate (`extra` more per parent
+// than the level's k when the context model proposes candidates).
+int64_t validate(const SearchInput& in, const SearchParams& p, int64_t extra, std::vector<int32_t>& scratch) {
   if (in.levels < 1 || in.levels > kMaxLevels) {
     throw std::invalid_argument("topk_tokens must have between 1 and " + std::to_string(kMaxLevels) +
                                 " levels (rows), got " + std::to_string(in.levels));
@@ -108,6 +109,9 @@ int64_t validate(const SearchInput& in, const SearchParams& p, std::vector<int32
   }
   if (!(std::isfinite(p.ngram_weight) && p.ngram_weight >= 0.0f)) {
     throw std::invalid_argument("ngram_weight must be finite and >= 0");
+  }
+  if (!(std::isfinite(p.context_weight) && p.context_weight >= 0.0f && p.context_weight <= 1.0f)) {
+    throw std::invalid_argument("context_weight must lie in [0, 1]");
   }
   for (int64_t level = 0; level < in.levels; ++level) {
     const float lw = p.level_weight[level], gw = p.logit_weight[level];
@@ -143,7 +147,7 @@ int64_t validate(const SearchInput& in, const SearchParams& p, std::vector<int32
   // Exact number of children the search generates (the beam holds min(children, beam_width)).
   int64_t total = 0, parents = 1;
   for (int64_t level = 0; level < in.levels; ++level) {
-    const int64_t children = parents * in.k;
+    const int64_t children = parents * (in.k + extra);
     total += children;
     if (total > kMaxNodes) {
       throw std::invalid_argument("the search would generate more than " + std::to_string(kMaxNodes) +
@@ -168,6 +172,61 @@ int32_t build_context(const SearchInput& in, const Node* nodes, int32_t node, in
   }
   std::memcpy(out, in.prompt_tail + in.prompt_tail_len - from_prompt, sizeof(int32_t) * from_prompt);
   return len;
+}
+
+void check_probability(float prob) {
+  if (!(prob >= 0.0f && prob <= 1.0f)) {
+    throw std::runtime_error("the n-gram model returned probability " + std::to_string(prob) + ", outside [0, 1]");
+  }
+}
+
+// The n-gram terms of one level with the context model: for each of the `rows` distinct contexts
+// (ws.row_contexts), p = (1 - w) * p_trie + w * p_context per candidate (p_trie from
+// ws.ngram_probs, 0 without a trie), written to ws.ngram_term; and, with context_propose, the
+// context's most frequent continuation when no candidate is that token (ws.extra_token/extra_term,
+// -1 = none). Returns whether any row proposes one.
+bool context_propose_terms(const SearchInput& in, const SearchParams& p, const NgramQuery* ngram,
+                           const ContextNgram& context, const int32_t* tokens, int32_t rows, size_t stride,
+                           float unseen_term, Workspace& ws) {
+  const int64_t k = in.k;
+  const float weight = p.context_weight, keep = 1.0f - p.context_weight;
+  ws.candidates.assign(tokens, static_cast<size_t>(k));
+  bool any_extra = false;
+  for (int32_t row = 0; row < rows; ++row) {
+    const int32_t* ctx = ws.row_contexts.data() + static_cast<size_t>(row) * stride;
+    const int32_t len = ws.row_len[static_cast<size_t>(row)];
+    int32_t* ids = ws.context_ids.data() + static_cast<size_t>(row) * (kMaxContextOrder - 1);
+    const int32_t matched = context.find_contexts(ctx, static_cast<size_t>(len), ids);
+    float* context_probs = ws.context_probs.data() + static_cast<size_t>(row) * k;
+    context.candidate_probabilities(ids, matched, tokens, ws.candidates, context_probs);
+    const float* trie_probs = ws.ngram_probs.data() + static_cast<size_t>(row) * k;
+    float* term = ws.ngram_term.data() + static_cast<size_t>(row) * k;
+    for (int64_t j = 0; j < k; ++j) {
+      float prob = weight * context_probs[j];
+      if (ngram != nullptr) {
+        check_probability(trie_probs[j]);
+        prob += keep * trie_probs[j];
+      }
+      term[j] = prob == 0.0f ? unseen_term : logf(prob + kLogEpsilon) * p.ngram_weight;
+    }
+    ws.extra_token[static_cast<size_t>(row)] = -1;
+    if (!p.context_propose || matched == 0) continue;
+    const int32_t token = context.best_token(ids[matched - 1]);
+    if (ws.candidates.find(token) >= 0) continue;
+    check_token(token, p.vocab_size, "the context model's proposal");
+    float prob = weight * context.best_probability(ids[matched - 1]);
+    if (ngram != nullptr) {
+      float trie_prob = 0.0f;
+      int32_t trie_matched = 0;
+      ngram->probability(ctx, static_cast<size_t>(len), &token, 1, &trie_prob, &trie_matched);
+      check_probability(trie_prob);
+      prob += keep * trie_prob;
+    }
+    ws.extra_token[static_cast<size_t>(row)] = token;
+    ws.extra_term[static_cast<size_t>(row)] = logf(prob + kLogEpsilon) * p.ngram_weight;
+    any_extra = true;
+  }
+  return any_extra;
 }
 
 void encode_tree(const SearchInput& in, Workspace& ws) {
@@ -240,8 +299,10 @@ void encode_tree(const SearchInput& in, Workspace& ws) {
 // Kept out of line: inlined into the bindings, the thread_local workspace's address would be
 // recomputed (__tls_get_addr) inside the hot loops.
 __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchParams& p, const NgramQuery* ngram,
-                                           Workspace& ws) {
-  const int64_t total_nodes = validate(in, p, ws.sorted_tokens);
+                                           const ContextNgram* context, Workspace& ws) {
+  const bool context_on = context != nullptr && p.context_weight > 0.0f;
+  const int64_t extra = context_on && p.context_propose ? 1 : 0;
+  const int64_t total_nodes = validate(in, p, extra, ws.sorted_tokens);
   const int64_t k = in.k;
   int32_t context_need = 0;
   if (ngram != nullptr) {
@@ -251,6 +312,7 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
     }
     context_need = order - 1;
   }
+  if (context_on) context_need = std::max(context_need, context->order() - 1);
   const size_t context_stride = static_cast<size_t>(std::max(context_need, 1));
   const size_t max_beam = static_cast<size_t>(std::min<int64_t>(p.beam_width, total_nodes));
 
@@ -268,6 +330,12 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
   ws.row_contexts.resize(max_beam * context_stride + context_stride);
   ws.row_len.resize(max_beam + 1);
   ws.ngram_term.resize((max_beam + 1) * static_cast<size_t>(k));
+  if (context_on) {
+    ws.context_probs.resize((max_beam + 1) * static_cast<size_t>(k));
+    ws.context_ids.resize((max_beam + 1) * (kMaxContextOrder - 1));
+    ws.extra_token.resize(max_beam + 1);
+    ws.extra_term.resize(max_beam + 1);
+  }
 
   Node* const nodes = ws.nodes.data();
   uint64_t* const node_keys = ws.node_keys.data();
@@ -291,7 +359,8 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
     for (int64_t j = 0; j < k; ++j) logit_term[j] = logf(probs[j] + kLogEpsilon) * logit_weight;
 
     const bool use_ngram =
-        ngram != nullptr && p.ngram_weight > 0.0f && (level > 0 || p.ngram_on_first_level);
+        (ngram != nullptr || context_on) && p.ngram_weight > 0.0f && (level > 0 || p.ngram_on_first_level);
+    bool level_extras = false;
     if (use_ngram) {
       // One query per distinct context (beam paths often share their last order-1 tokens), all
       // of the level's queries in one batch: they share the candidates, and the model overlaps
@@ -318,19 +387,26 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
         context_row[b] = row;
       }
       const float* ngram_probs = ws.ngram_probs.data();
-      ngram->probability_batch(ws.row_contexts.data(), context_stride, ws.row_len.data(), static_cast<size_t>(rows),
-                               tokens, 0, static_cast<size_t>(k), ws.ngram_probs.data(), ws.ngram_matched.data());
-      for (int64_t i = 0; i < static_cast<int64_t>(rows) * k; ++i) {
-        const float prob = ngram_probs[i];
-        if (!(prob >= 0.0f && prob <= 1.0f)) {
-          throw std::runtime_error("the n-gram model returned probability " + std::to_string(prob) +
-                                   ", outside [0, 1]");
+      if (ngram != nullptr) {
+        ngram->probability_batch(ws.row_contexts.data(), context_stride, ws.row_len.data(),
+                                 static_cast<size_t>(rows), tokens, 0, static_cast<size_t>(k), ws.ngram_probs.data(),
+                                 ws.ngram_matched.data());
+      }
+      if (context_on) {
+        level_extras = context_propose_terms(in, p, ngram, *context, tokens, rows, context_stride, unseen_term, ws);
+      } else {
+        for (int64_t i = 0; i < static_cast<int64_t>(rows) * k; ++i) {
+          const float prob = ngram_probs[i];
+          check_probability(prob);
+          // Most candidates are unseen: skip their logf (same value, computed once).
+          ngram_term_rows[i] = prob == 0.0f ? unseen_term : logf(prob + kLogEpsilon) * p.ngram_weight;
         }
-        // Most candidates are unseen: skip their logf (same value, computed once).
-        ngram_term_rows[i] = prob == 0.0f ? unseen_term : logf(prob + kLogEpsilon) * p.ngram_weight;
       }
     }
 
+    // A proposed child's draft term: the level's smallest, i.e. it counts as likely as the k-th
+    // candidate (an upper bound: it was not among the draft's top k).
+    const float extra_logit_term = level_extras ? *std::min_element(logit_term, logit_term + k) : 0.0f;
     const int32_t level_begin = n_nodes;
     const int32_t depth = static_cast<int32_t>(level) + 1;
     for (size_t b = 0; b < beam_size; ++b) {
@@ -344,6 +420,16 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
         nodes[n_nodes] = Node{score, tokens[j], parent, depth};
         node_keys[n_nodes] = node_key(score, n_nodes, tokens[j] == p.eos_token_id);
         ++n_nodes;
+      }
+      if (level_extras) {
+        const int32_t row = context_row[b];
+        const int32_t token = ws.extra_token[static_cast<size_t>(row)];
+        if (token >= 0) {
+          const float score = parent_score + level_weight * (extra_logit_term + ws.extra_term[static_cast<size_t>(row)]);
+          nodes[n_nodes] = Node{score, token, parent, depth};
+          node_keys[n_nodes] = node_key(score, n_nodes, token == p.eos_token_id);
+          ++n_nodes;
+        }
       }
     }
     if (level + 1 == in.levels) break;

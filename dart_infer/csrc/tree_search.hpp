@@ -17,6 +17,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "context_ngram.hpp"
 #include "dart/ngram_query.hpp"
 
 namespace dart::search {
@@ -32,6 +33,12 @@ struct SearchParams {
   int64_t remain_total = 60;
   float ngram_weight = 0.5f;
   bool ngram_on_first_level = false;
+  // Context model (beyond the paper; used only when one is passed and context_weight > 0): the
+  // n-gram term's probability becomes (1 - context_weight) * p_trie + context_weight * p_context
+  // (p_trie = 0 without a trie). With context_propose, the context's most frequent continuation
+  // of each beam path is added as an extra child when the level's candidates lack it.
+  float context_weight = 0.0f;
+  bool context_propose = false;
   // One weight per level (length = number of levels), already rounded to float like the
   // original's `prob_t` weight functions.
   const float* level_weight = nullptr;
@@ -84,6 +91,12 @@ struct Workspace {
   std::vector<int32_t> context_row;    // [beam]: row of ngram_term used by each beam entry
   std::vector<int32_t> row_contexts;   // [beam * (order - 1)]: the distinct contexts, queried at once
   std::vector<int32_t> row_len;        // [beam]
+  // Context model: per distinct context row, its probabilities and proposal.
+  CandidateIndex candidates;           // the level's candidate tokens
+  std::vector<float> context_probs;    // [beam * k]
+  std::vector<int32_t> context_ids;    // [beam * (kMaxContextOrder - 1)]
+  std::vector<int32_t> extra_token;    // [beam]: proposed extra child, -1 none
+  std::vector<float> extra_term;       // [beam]: its n-gram term
   std::vector<int32_t> kept;           // node indices of the kept tree, in output order
   std::vector<int32_t> new_index;      // node index -> output index (only kept entries valid)
   std::vector<uint8_t> has_child;
@@ -91,11 +104,12 @@ struct Workspace {
   Tree tree;
 };
 
-// Runs the search and encodes the tree into ws.tree. `ngram` may be null (no n-gram term).
+// Runs the search and encodes the tree into ws.tree. `ngram` may be null (no trie term), and so
+// may `context` (no context model; the caller holds its mutex shared while the search runs).
 // Throws std::invalid_argument for bad inputs (including duplicate candidates within a level) and
 // std::runtime_error when the n-gram model
 // misbehaves (probabilities outside [0, 1]). Never touches Python.
 void tree_search(const SearchInput& input, const SearchParams& params, const NgramQuery* ngram,
-                 Workspace& ws);
+                 const ContextNgram* context, Workspace& ws);
 
 }  // namespace dart::search
