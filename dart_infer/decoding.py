@@ -26,7 +26,7 @@ import torch
 from dart_infer.model import DraftKVCache
 from dart_infer.sampling import Sampler, greedy_accept, sampling_accept
 from dart_infer.stats import GenerationStats, PhaseTimer, StepOutput
-from dart_infer.tree import TreeSearchSettings, draft_trees
+from dart_infer.tree import TreeSearchSettings, draft_trees, request_context
 
 __all__ = ["ar_steps", "dart_steps", "stop_cut"]
 
@@ -97,6 +97,7 @@ def dart_steps(
     history = torch.empty(n + budget, dtype=torch.long)
     history[:n] = prompt
     length = n
+    context = request_context(settings)  # this request's context n-grams (None: off); draft_trees syncs it
     with run.timed():
         with timer("prefill"):
             aux, last_logits, cache = target.prefill(prompt[None].to(device))
@@ -114,7 +115,7 @@ def dart_steps(
             with timer("search"):
                 tree = draft_trees(
                     draft_logits[None], draft, [history[:length]], trie=model.trie, settings=settings,
-                    eos_token_ids=model.eos_token_ids,
+                    eos_token_ids=model.eos_token_ids, contexts=[context],
                 )[0]
             past = cache.get_seq_length()
             with timer("verify"):

@@ -13,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["DraftTree", "TreeSearchSettings", "draft_trees"]
+if TYPE_CHECKING:
+    from dart_infer.search import ContextNgram
+
+__all__ = ["DraftTree", "TreeSearchSettings", "draft_trees", "request_context"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,13 @@ class TreeSearchSettings:
     level_weight: tuple[float, ...] | None = None  # per-level weights; None = search default (l+1)^-0.7
     logit_weight: tuple[float, ...] | None = None  # None = search default 0.9^l
     ngram_on_first_level: bool = False
+    # Context n-grams (beyond the paper): the request's own n-gram model (prompt + tokens so far)
+    # shares the n-gram term with the trie, p = (1 - w) * p_trie + w * p_context with
+    # w = context_ngram_weight (0 = off: exactly the search without it); with
+    # context_ngram_propose its most frequent continuation of each beam path joins the candidates.
+    context_ngram_weight: float = 0.0
+    context_ngram_order: int = 3  # 2..5: contexts of up to order - 1 tokens
+    context_ngram_propose: bool = True
 
     def __post_init__(self) -> None:
         for name in ("draft_top_k", "beam_width", "remain_total"):
@@ -39,6 +49,10 @@ class TreeSearchSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ngram_weight < 0:
             raise ValueError(f"ngram_weight must be >= 0, got {self.ngram_weight}")
+        if not 0.0 <= self.context_ngram_weight <= 1.0:
+            raise ValueError(f"context_ngram_weight must lie in [0, 1], got {self.context_ngram_weight}")
+        if not 2 <= self.context_ngram_order <= 5:
+            raise ValueError(f"context_ngram_order must be between 2 and 5, got {self.context_ngram_order}")
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> TreeSearchSettings:
         if not overrides:
@@ -66,6 +80,16 @@ class DraftTree:
     parents: torch.Tensor  # int64 [1 + n], -1 for the root
 
 
+def request_context(settings: TreeSearchSettings) -> ContextNgram | None:
+    """A new request's context n-gram model (None when `settings` leave it off): serving makes one
+    per request and passes it to every `draft_trees` call, which brings it up to date."""
+    if settings.context_ngram_weight <= 0:
+        return None
+    from dart_infer.search import ContextNgram  # C++ extension; imported when first needed
+
+    return ContextNgram(settings.context_ngram_order)
+
+
 def draft_trees(
     draft_logits: torch.Tensor,
     draft_model: Any,
@@ -74,22 +98,43 @@ def draft_trees(
     trie: Any,
     settings: TreeSearchSettings,
     eos_token_ids: Sequence[int],
+    contexts: Sequence[ContextNgram | None] | None = None,
 ) -> list[DraftTree]:
     """One tree per decoding state from the draft head's logits.
 
     draft_logits: [N, d, draft_vocab], the d rows of N states (any device). draft_model: the
     `DartDraftModel` (its d2t maps draft ids to target ids). histories: N 1-D CPU token tensors,
-    each the tokens so far ending with that state's root (only the last order - 1 are read).
-    trie: an `ngram_builder.NgramTrie` or None (no n-gram term). eos_token_ids: the model's EOS
+    each the tokens so far ending with that state's root (only the last order - 1 are read, and
+    with context n-grams the ones the context model has not seen yet).
+    trie: an `ngram_builder.NgramTrie` or None (no trie term). eos_token_ids: the model's EOS
     set (`dart_infer.loading.eos_token_ids`); paths ending in its first id go last in the beam.
+    contexts: with `settings.context_ngram_weight` > 0, each state's context n-gram model
+    (`request_context`, kept across a request's steps), synced here with its history (only new
+    tokens are added); a missing one (None, or no list) is built from the whole history
+    (simulated τ: each anchor's prefix). Ignored when the weight is 0.
     """
-    from dart_infer.search import tree_search  # C++ extension; imported when first needed
+    from dart_infer.search import ContextNgram, tree_search  # C++ extension; imported when first needed
 
     if draft_logits.dim() != 3 or draft_logits.shape[0] != len(histories):
         raise ValueError(
             f"draft_logits must be [N, d, vocab] with one history per state, got {tuple(draft_logits.shape)} "
             f"and {len(histories)} histories"
         )
+    use_context = settings.context_ngram_weight > 0
+    models: list[ContextNgram | None] = [None] * len(histories)
+    if use_context:
+        if contexts is not None and len(contexts) != len(histories):
+            raise ValueError(f"got {len(contexts)} context models for {len(histories)} histories")
+        for i, history in enumerate(histories):
+            model = contexts[i] if contexts is not None else None
+            if model is None:
+                model = ContextNgram(settings.context_ngram_order)
+            elif model.order != settings.context_ngram_order:
+                raise ValueError(
+                    f"context model of order {model.order}, but context_ngram_order={settings.context_ngram_order}"
+                )
+            model.sync(history)
+            models[i] = model
     top = torch.topk(draft_logits.float(), min(settings.draft_top_k, draft_logits.shape[-1]), dim=-1)
     candidates = draft_model.draft_to_target(top.indices).cpu()
     probs = torch.softmax(top.values, dim=-1).cpu()
@@ -97,14 +142,20 @@ def draft_trees(
         eos_token_id=eos_token_ids[0] if eos_token_ids else None,
         beam_width=settings.beam_width,
         remain_total=settings.remain_total,
-        ngram_weight=settings.ngram_weight if trie is not None else 0.0,
+        ngram_weight=settings.ngram_weight if trie is not None or use_context else 0.0,
         ngram_on_first_level=settings.ngram_on_first_level,
+        context_weight=settings.context_ngram_weight,
+        context_propose=settings.context_ngram_propose,
     )
     if settings.level_weight is not None:
         search_kwargs["level_weight"] = list(settings.level_weight)
     if settings.logit_weight is not None:
         search_kwargs["logit_weight"] = list(settings.logit_weight)
     return [
-        DraftTree(*tree_search(candidates[i], probs[i], trie, history, return_parents=True, **search_kwargs))
+        DraftTree(
+            *tree_search(
+                candidates[i], probs[i], trie, history, return_parents=True, context=models[i], **search_kwargs
+            )
+        )
         for i, history in enumerate(histories)
     ]
