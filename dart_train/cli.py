@@ -353,7 +353,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         raise RunDirError("set output_dir (no Hydra run directory available)")
     resuming = prepare_run_dir(run_dir, bool(cfg.resume))
     saved = run_dir / "config.yaml"
-    if resuming and saved.is_file():
+    if (resuming or cfg.resume) and saved.is_file():  # a run stopped before its first checkpoint too
         # Under the CLI only what this command line names may change; a Python caller's cfg is
         # taken as a whole. Either way the differences from the saved run are logged.
         explicit = (

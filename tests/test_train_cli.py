@@ -250,3 +250,19 @@ def test_init_output_from_target_copies_the_target_rows(tiny_checkpoint, convers
     plain = build_head(target, _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "b")),
                        lambda n: mapping[:n], embedding)
     assert not torch.equal(plain.lm_head.weight, output[mapping])
+
+
+def test_regenerate_only_then_resume_trains_with_the_saved_config(tiny_checkpoint, conversations_file, tmp_path):
+    out, regen = tmp_path / "run", tmp_path / "regen.jsonl"
+    first = run_cli(overrides(tiny_checkpoint, conversations_file, out, "preprocess.regenerate.enabled=true",
+                              "preprocess.regenerate.stop_after=true", "preprocess.regenerate.max_new_tokens=4",
+                              "preprocess.regenerate.max_turns=1", f"preprocess.regenerate.output={regen}"), tmp_path)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "stopping (preprocess.regenerate.stop_after)" in first.stdout and not (out / "metrics.jsonl").exists()
+    rows = [json.loads(line) for line in regen.read_text().splitlines()]
+    assert len(rows) == len(CONVERSATIONS) and all(len(r["messages"]) == 2 for r in rows)  # first turns only
+    # resume=true on that directory continues the saved run (tiny model, its data) instead of the defaults.
+    more = run_cli([f"output_dir={out}", "resume=true", "preprocess.regenerate.stop_after=false"], tmp_path)
+    assert more.returncode == 0, more.stderr[-4000:]
+    assert OmegaConf.load(out / "config.yaml").model.name_or_path == str(tiny_checkpoint)
+    assert (out / "head" / "model.safetensors").is_file()
