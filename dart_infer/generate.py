@@ -31,7 +31,7 @@ from dart_infer.loading import (
 from dart_infer.model import DartDraftModel
 from dart_infer.sampling import GREEDY_TEMPERATURE, Sampler, greedy_accept, sampling_accept, tree_children
 from dart_infer.stats import GenerationStats, StepOutput
-from dart_infer.target import TargetModel
+from dart_infer.target import TargetModel, use_fast_matmul_layout
 from dart_infer.tree import TreeSearchSettings
 
 __all__ = [
@@ -99,6 +99,15 @@ class DartModel(nn.Module):
         self.last_stats: GenerationStats | None = None
         self._attach_embedding()
 
+    def _attach_embedding(self) -> None:
+        # Weights first take the layout their matmuls run fastest in on this device (see
+        # `use_fast_matmul_layout`; `generate()` on the base model gets it too), then the head shares
+        # the target's embedding tensor.
+        use_fast_matmul_layout(self.base_model)
+        use_fast_matmul_layout(self.draft_model)
+        self.draft_model.set_target_embedding(self.target.model.get_input_embeddings().weight)
+        self.target.embedding_weight = self.target.model.get_input_embeddings().weight
+
     @classmethod
     def from_pretrained(
         cls,
@@ -134,12 +143,9 @@ class DartModel(nn.Module):
         return model.eval()
 
     # ------------------------------------------------------------------------------ plumbing
-    def _attach_embedding(self) -> None:
-        self.draft_model.set_target_embedding(self.target.model.get_input_embeddings().weight)
-        self.target.embedding_weight = self.target.model.get_input_embeddings().weight
-
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> DartModel:
-        # .to()/.cuda()/.half() replace the target's embedding tensor: re-share it with the head.
+        # .to()/.cuda()/.half() replace the target's embedding tensor: re-share it with the head
+        # (and re-pick the weights' layout for the new device/dtype).
         super()._apply(fn, *args, **kwargs)
         self._attach_embedding()
         return self
