@@ -38,57 +38,62 @@ void check_tokens(const int32_t* tokens, size_t n, int64_t seen) {
 }  // namespace
 
 void CandidateIndex::assign(const int32_t* tokens, size_t n) {
-  sorted_.resize(n);
-  for (size_t j = 0; j < n; ++j) {
-    sorted_[j] = (static_cast<uint64_t>(static_cast<uint32_t>(tokens[j])) << 32) | static_cast<uint32_t>(j);
+  size_t capacity = 16;
+  int bits = 4;
+  while (capacity < 2 * n) {
+    capacity *= 2;
+    ++bits;
   }
-  std::sort(sorted_.begin(), sorted_.end());
-}
-
-int32_t CandidateIndex::find(int32_t token) const {
-  const uint64_t key = static_cast<uint64_t>(static_cast<uint32_t>(token)) << 32;
-  const auto it = std::lower_bound(sorted_.begin(), sorted_.end(), key);
-  if (it == sorted_.end() || (*it >> 32) != (key >> 32)) return -1;
-  return static_cast<int32_t>(*it & 0xFFFFFFFFu);
+  tokens_.assign(capacity, 0);
+  index_.assign(capacity, -1);
+  mask_ = capacity - 1;
+  shift_ = 32 - bits;
+  size_ = n;
+  std::fill(std::begin(filter_), std::end(filter_), 0);
+  for (size_t j = 0; j < n; ++j) {
+    const uint32_t t = static_cast<uint32_t>(tokens[j]);
+    filter_[(t >> 6) & 63] |= uint64_t{1} << (t & 63);
+    size_t i = slot(t);
+    while (index_[i] >= 0) i = (i + 1) & mask_;  // candidates are distinct (validated)
+    tokens_[i] = tokens[j];
+    index_[i] = static_cast<int32_t>(j);
+  }
 }
 
 template <typename K>
 int32_t ContextNgram::Table<K>::find(const K& key, uint64_t h) const {
-  if (values.empty()) return -1;
-  const size_t mask = values.size() - 1;
+  if (slots.empty()) return -1;
+  const size_t mask = slots.size() - 1;
   for (size_t i = h & mask;; i = (i + 1) & mask) {
-    if (values[i] < 0) return -1;
-    if (keys[i] == key) return values[i];
+    if (slots[i].value < 0) return -1;
+    if (slots[i].key == key) return slots[i].value;
   }
 }
 
 template <typename K>
 int32_t& ContextNgram::Table<K>::slot(const K& key, uint64_t h) {
-  if ((used + 1) * 2 > values.size()) grow();
-  const size_t mask = values.size() - 1;
+  if ((used + 1) * 2 > slots.size()) grow();
+  const size_t mask = slots.size() - 1;
   size_t i = h & mask;
-  for (; values[i] >= 0; i = (i + 1) & mask) {
-    if (keys[i] == key) return values[i];
+  for (; slots[i].value >= 0; i = (i + 1) & mask) {
+    if (slots[i].key == key) return slots[i].value;
   }
-  keys[i] = key;
+  slots[i].key = key;
   ++used;
-  return values[i];
+  return slots[i].value;
 }
 
 template <typename K>
 void ContextNgram::Table<K>::grow() {
-  std::vector<K> old_keys = std::move(keys);
-  std::vector<int32_t> old_values = std::move(values);
-  const size_t capacity = std::max<size_t>(64, old_values.size() * 2);
-  keys.assign(capacity, K{});
-  values.assign(capacity, -1);
+  std::vector<Slot> old = std::move(slots);
+  const size_t capacity = std::max<size_t>(64, old.size() * 2);
+  slots.assign(capacity, Slot{K{}, -1});
   const size_t mask = capacity - 1;
-  for (size_t s = 0; s < old_values.size(); ++s) {
-    if (old_values[s] < 0) continue;
-    size_t i = ContextNgram::hash(old_keys[s]) & mask;
-    while (values[i] >= 0) i = (i + 1) & mask;
-    keys[i] = old_keys[s];
-    values[i] = old_values[s];
+  for (const Slot& entry : old) {
+    if (entry.value < 0) continue;
+    size_t i = ContextNgram::hash(entry.key) & mask;
+    while (slots[i].value >= 0) i = (i + 1) & mask;
+    slots[i] = entry;
   }
 }
 
@@ -119,21 +124,31 @@ void ContextNgram::add(int32_t token) {
     int32_t& context_slot = context_table_.slot(key, hash(key));
     if (context_slot < 0) {
       context_slot = static_cast<int32_t>(entries_.size());
-      entries_.push_back(ContextEntry{0, 0, -1, 0, -1});
+      entries_.push_back(ContextEntry{0, 0, -1, 0, {-1, -1}, {0, 0}, -1, -1});
     }
     const int32_t id = context_slot;
     ContextEntry& entry = entries_[static_cast<size_t>(id)];
     const uint64_t child_key = pair_key(id, token);
     int32_t& child_slot = child_table_.slot(child_key, hash(child_key));
     if (child_slot < 0) {
-      child_slot = static_cast<int32_t>(children_.size());
-      children_.push_back(ChildEntry{token, 0, entry.first_child});
-      entry.first_child = child_slot;
+      const int32_t child_id = static_cast<int32_t>(children_.size());
+      child_slot = child_id;
+      children_.push_back(ChildEntry{token, 0, -1});
+      if (entry.n_children < 2) {
+        entry.first_tokens[entry.n_children] = token;
+      } else if (entry.third_child < 0) {
+        entry.third_child = entry.last_child = child_id;
+      } else {
+        children_[static_cast<size_t>(entry.last_child)].next = child_id;
+        entry.last_child = child_id;
+      }
       ++entry.n_children;
     }
     ChildEntry& child = children_[static_cast<size_t>(child_slot)];
     ++child.count;
     ++entry.total;
+    if (entry.first_tokens[0] == token) ++entry.first_counts[0];
+    else if (entry.first_tokens[1] == token) ++entry.first_counts[1];
     if (child.count >= entry.best_count) {  // ties: the most recent continuation
       entry.best_count = child.count;
       entry.best_token = token;
@@ -181,36 +196,45 @@ void ContextNgram::sync(const int32_t* part, int64_t part_start, int64_t history
 
 int32_t ContextNgram::find_contexts(const int32_t* context, size_t context_len, int32_t* ids) const {
   const int32_t longest = static_cast<int32_t>(std::min<size_t>(static_cast<size_t>(order_ - 1), context_len));
+  if (longest == 0) return 0;
+  Key keys[kMaxContextOrder - 1];
+  uint64_t hashes[kMaxContextOrder - 1];
+  for (int32_t len = 1; len <= longest; ++len) {  // start every probe's memory access at once
+    keys[len - 1] = pack(context + context_len - len, len);
+    hashes[len - 1] = hash(keys[len - 1]);
+    context_table_.prefetch(hashes[len - 1]);
+  }
   int32_t count = 0;
   // A context seen with a continuation implies its shorter suffixes were too: stop at the first miss.
   for (int32_t len = 1; len <= longest; ++len) {
-    const Key key = pack(context + context_len - len, len);
-    const int32_t id = context_table_.find(key, hash(key));
+    const int32_t id = context_table_.find(keys[len - 1], hashes[len - 1]);
     if (id < 0) break;
+    __builtin_prefetch(&entries_[static_cast<size_t>(id)]);
     ids[count++] = id;
   }
   return count;
 }
 
-void ContextNgram::candidate_probabilities(const int32_t* ids, int32_t count, const int32_t* tokens,
-                                           const CandidateIndex& index, float* probs) const {
+void ContextNgram::overwrite_probabilities(int32_t id, const int32_t* tokens, const CandidateIndex& index,
+                                           float* probs) const {
+  const ContextEntry& entry = entries_[static_cast<size_t>(id)];
+  const float inverse = 1.0f / static_cast<float>(entry.total);
   const size_t k = index.size();
-  std::fill(probs, probs + k, 0.0f);
-  // Shortest context first: a longer context that also has the candidate overwrites (back-off).
-  for (int32_t c = 0; c < count; ++c) {
-    const ContextEntry& entry = entries_[static_cast<size_t>(ids[c])];
-    const float inverse = 1.0f / static_cast<float>(entry.total);
-    if (static_cast<size_t>(entry.n_children) <= k) {
-      for (int32_t child = entry.first_child; child >= 0; child = children_[static_cast<size_t>(child)].next) {
-        const ChildEntry& node = children_[static_cast<size_t>(child)];
-        const int32_t j = index.find(node.token);
-        if (j >= 0) probs[j] = static_cast<float>(node.count) * inverse;
-      }
-    } else {
-      for (size_t j = 0; j < k; ++j) {
-        const int32_t child = find_child(ids[c], tokens[j]);
-        if (child >= 0) probs[j] = static_cast<float>(children_[static_cast<size_t>(child)].count) * inverse;
-      }
+  if (static_cast<size_t>(entry.n_children) <= k) {  // walk the continuations
+    for (int s = 0; s < 2 && s < entry.n_children; ++s) {
+      const int32_t j = index.find(entry.first_tokens[s]);
+      if (j >= 0) probs[j] = static_cast<float>(entry.first_counts[s]) * inverse;
+    }
+    for (int32_t child = entry.third_child; child >= 0; child = children_[static_cast<size_t>(child)].next) {
+      const ChildEntry& node = children_[static_cast<size_t>(child)];
+      const int32_t j = index.find(node.token);
+      if (j >= 0) probs[j] = static_cast<float>(node.count) * inverse;
+    }
+  } else {  // look the candidates up, all table accesses started first
+    for (size_t j = 0; j < k; ++j) child_table_.prefetch(hash(pair_key(id, tokens[j])));
+    for (size_t j = 0; j < k; ++j) {
+      const int32_t child = find_child(id, tokens[j]);
+      if (child >= 0) probs[j] = static_cast<float>(children_[static_cast<size_t>(child)].count) * inverse;
     }
   }
 }

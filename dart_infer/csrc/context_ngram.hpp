@@ -8,9 +8,11 @@
 // Updated incrementally: adding a token costs order - 1 hash-map updates, never a rebuild.
 //
 // Layout: contexts (1..order-1 tokens) -> ContextEntry through an open-addressing table; each
-// (context, next token) pair is a ChildEntry in a per-context linked list, found through a second
-// table keyed by (context id, token). A context also tracks its most frequent continuation (ties:
-// the most recent to reach that count), which the search proposes as an extra candidate.
+// (context, next token) pair is a ChildEntry found through a second table keyed by (context id,
+// token). A context's first two continuations are also held in its entry (most contexts have one
+// or two: reading them costs no further cache miss), the others in a linked list of ChildEntry. A
+// context also tracks its most frequent continuation (ties: the most recent to reach that count),
+// which the search proposes as an extra candidate.
 #pragma once
 
 #include <cstddef>
@@ -24,16 +26,28 @@ namespace dart::search {
 
 constexpr int kMaxContextOrder = 5;  // contexts of up to 4 tokens (packed into 128-bit keys)
 
-// Candidate tokens of one search level, sorted for lookup: token -> its index in the level.
+// Candidate tokens of one search level: token -> its index in the level. Most tokens looked up
+// are not candidates; a 4096-bit filter (token mod 4096) rejects nearly all of them with one test.
 class CandidateIndex {
  public:
   void assign(const int32_t* tokens, size_t n);
   // Index of `token` among the candidates, or -1.
-  int32_t find(int32_t token) const;
-  size_t size() const { return sorted_.size(); }
+  int32_t find(int32_t token) const {
+    const uint32_t t = static_cast<uint32_t>(token);
+    if (!((filter_[(t >> 6) & 63] >> (t & 63)) & 1)) return -1;
+    for (size_t i = slot(t);; i = (i + 1) & mask_) {
+      if (index_[i] < 0) return -1;
+      if (tokens_[i] == token) return index_[i];
+    }
+  }
+  size_t size() const { return size_; }
 
  private:
-  std::vector<uint64_t> sorted_;  // (token << 32) | index, ascending
+  size_t slot(uint32_t token) const { return (token * 0x9E3779B1u) >> shift_ & mask_; }
+  uint64_t filter_[64] = {};
+  std::vector<int32_t> tokens_, index_;  // open addressing, load <= 1/2; index -1 = empty
+  size_t size_ = 0, mask_ = 0;
+  int shift_ = 0;
 };
 
 class ContextNgram final : public NgramQuery {
@@ -60,10 +74,10 @@ class ContextNgram final : public NgramQuery {
   // Ids of the context suffixes of `context` (its last 1 .. order - 1 tokens) seen with a
   // continuation, SHORTEST first; returns how many (<= order - 1).
   int32_t find_contexts(const int32_t* context, size_t context_len, int32_t* ids) const;
-  // probability() of the candidates `tokens` of one level (indexed by `index`), given
-  // find_contexts' ids of the row's context: writes probs[0, index.size()).
-  void candidate_probabilities(const int32_t* ids, int32_t count, const int32_t* tokens,
-                               const CandidateIndex& index, float* probs) const;
+  // For the candidates `tokens` of one level (indexed by `index`) that followed context `id`:
+  // probs[j] = count(ctx + token) / count(ctx). Other entries are left as they are, so calling it
+  // for find_contexts' ids shortest first gives probability()'s back-off.
+  void overwrite_probabilities(int32_t id, const int32_t* tokens, const CandidateIndex& index, float* probs) const;
   // Most frequent continuation of context `id` and its probability.
   int32_t best_token(int32_t id) const { return entries_[static_cast<size_t>(id)].best_token; }
   float best_probability(int32_t id) const;
@@ -80,11 +94,14 @@ class ContextNgram final : public NgramQuery {
     bool operator==(const Key& other) const { return lo == other.lo && hi == other.hi; }
   };
   struct ContextEntry {
-    uint32_t total;        // times the context was followed by a token
+    uint32_t total;         // times the context was followed by a token
     uint32_t best_count;
     int32_t best_token;
     int32_t n_children;
-    int32_t first_child;   // newest child; ChildEntry::next links the rest (-1 ends)
+    int32_t first_tokens[2];   // the first two continuations (-1: none yet) and their counts
+    uint32_t first_counts[2];
+    int32_t third_child;    // the third continuation; ChildEntry::next links the rest (-1 ends)
+    int32_t last_child;
   };
   struct ChildEntry {
     int32_t token;
@@ -92,15 +109,22 @@ class ContextNgram final : public NgramQuery {
     int32_t next;
   };
   // Open addressing, linear probing, power-of-two capacity, load <= 1/2; values are ids (-1 empty).
+  // Key and value share a slot: a lookup costs one cache line.
   template <typename K>
   struct Table {
-    std::vector<K> keys;
-    std::vector<int32_t> values;
+    struct Slot {
+      K key;
+      int32_t value;
+    };
+    std::vector<Slot> slots;
     size_t used = 0;
     int32_t find(const K& key, uint64_t hash) const;
     // Slot of `key`, inserted with value -1 if absent (the caller sets it).
     int32_t& slot(const K& key, uint64_t hash);
     void grow();
+    void prefetch(uint64_t hash) const {
+      if (!slots.empty()) __builtin_prefetch(&slots[hash & (slots.size() - 1)]);
+    }
   };
 
   static Key pack(const int32_t* tokens, int32_t len);

@@ -197,8 +197,27 @@ bool context_propose_terms(const SearchInput& in, const SearchParams& p, const N
     const int32_t len = ws.row_len[static_cast<size_t>(row)];
     int32_t* ids = ws.context_ids.data() + static_cast<size_t>(row) * (kMaxContextOrder - 1);
     const int32_t matched = context.find_contexts(ctx, static_cast<size_t>(len), ids);
+    ws.context_matched[static_cast<size_t>(row)] = matched;
+    // Back-off, shortest context first. Rows often share their last token (the 1-token context):
+    // its probabilities are computed once per level.
+    float* shortest = ws.shortest_probs.data() + static_cast<size_t>(row) * k;
     float* context_probs = ws.context_probs.data() + static_cast<size_t>(row) * k;
-    context.candidate_probabilities(ids, matched, tokens, ws.candidates, context_probs);
+    const float* shared = nullptr;
+    for (int32_t prev = 0; prev < row && shared == nullptr && matched > 0; ++prev) {
+      if (ws.context_matched[static_cast<size_t>(prev)] > 0 &&
+          ws.context_ids[static_cast<size_t>(prev) * (kMaxContextOrder - 1)] == ids[0]) {
+        shared = ws.shortest_probs.data() + static_cast<size_t>(prev) * k;
+      }
+    }
+    if (shared == nullptr) {
+      std::fill(shortest, shortest + k, 0.0f);
+      if (matched > 0) context.overwrite_probabilities(ids[0], tokens, ws.candidates, shortest);
+      shared = shortest;
+    } else {
+      std::memcpy(shortest, shared, sizeof(float) * static_cast<size_t>(k));
+    }
+    std::memcpy(context_probs, shared, sizeof(float) * static_cast<size_t>(k));
+    for (int32_t c = 1; c < matched; ++c) context.overwrite_probabilities(ids[c], tokens, ws.candidates, context_probs);
     const float* trie_probs = ws.ngram_probs.data() + static_cast<size_t>(row) * k;
     float* term = ws.ngram_term.data() + static_cast<size_t>(row) * k;
     for (int64_t j = 0; j < k; ++j) {
@@ -333,6 +352,8 @@ __attribute__((noinline)) void tree_search(const SearchInput& in, const SearchPa
   if (context_on) {
     ws.context_probs.resize((max_beam + 1) * static_cast<size_t>(k));
     ws.context_ids.resize((max_beam + 1) * (kMaxContextOrder - 1));
+    ws.context_matched.resize(max_beam + 1);
+    ws.shortest_probs.resize((max_beam + 1) * static_cast<size_t>(k));
     ws.extra_token.resize(max_beam + 1);
     ws.extra_term.resize(max_beam + 1);
   }

@@ -95,6 +95,8 @@ struct Workspace {
   CandidateIndex candidates;           // the level's candidate tokens
   std::vector<float> context_probs;    // [beam * k]
   std::vector<int32_t> context_ids;    // [beam * (kMaxContextOrder - 1)]
+  std::vector<int32_t> context_matched;  // [beam]: how many of them were seen
+  std::vector<float> shortest_probs;   // [beam * k]: probabilities after the 1-token context alone
   std::vector<int32_t> extra_token;    // [beam]: proposed extra child, -1 none
   std::vector<float> extra_term;       // [beam]: its n-gram term
   std::vector<int32_t> kept;           // node indices of the kept tree, in output order
