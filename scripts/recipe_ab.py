@@ -26,7 +26,7 @@ from pathlib import Path
 # name -> overrides on top of the base recipe (one factor at a time)
 VARIANTS: dict[str, list[str]] = {
     "base": [],
-    "sharegpt-original": ["data=sharegpt"],  # human (ChatGPT) answers instead of the target's own
+    "sharegpt-original": ["data=sharegpt"],  # ShareGPT's (ChatGPT) answers instead of the target's own
     "lr3e-3": ["optim.lr=3e-3"],
     "lr3e-4": ["optim.lr=3e-4"],
     "init-output": ["draft.init_output_from_target=true"],
@@ -37,8 +37,9 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def base_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    data = ["data=sharegpt"] if args.train_data == "sharegpt" else ["data=jsonl", f"data.source={args.train_data}"]
     return [
-        f"output_dir={run_dir}", "data=jsonl", f"data.source={args.train_data}",
+        f"output_dir={run_dir}", *data,
         "preprocess.max_length=1024", "trainer.max_tokens=2048", "trainer.grad_accum=1",
         f"trainer.max_steps={args.steps}", "trainer.max_anchors=96", f"trainer.save_every={args.steps}",
         "optim.lr=1e-3", "optim.warmup_steps=10",
@@ -71,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs/ab"))
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--train-data", required=True)
+    parser.add_argument("--train-data", required=True, help="a JSONL of conversations, or 'sharegpt' (train split)")
     parser.add_argument("--eval-data", required=True)
     parser.add_argument("--eval-limit", type=int, default=64)
     parser.add_argument("--trie", required=True)
