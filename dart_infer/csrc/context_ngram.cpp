@@ -13,13 +13,9 @@ namespace {
 constexpr int64_t kMaxTokens = int64_t{1} << 28;
 constexpr uint32_t kUnusedWord = 0xFFFFFFFFu;  // never a token id (ids are >= 0, int32)
 
-inline uint64_t mix64(uint64_t x) {  // splitmix64's finaliser
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return x;
+inline uint64_t mix64(uint64_t x) {  // xorshift-multiply-xorshift: every input bit reaches the low bits
+  x = (x ^ (x >> 31)) * 0x9E3779B97F4A7C15ull;
+  return x ^ (x >> 29);
 }
 
 void check_tokens(const int32_t* tokens, size_t n, int64_t seen) {
