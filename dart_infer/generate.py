@@ -10,10 +10,17 @@ This module is the public API (`DartModel.from_pretrained`, `dart_generate`, `da
 - `dart_infer.stats`: step outputs, generation statistics, the phase timer.
 
 Everything here handles batch size 1.
+
+Serving dtypes: float32 is the exactness mode (greedy output identical to the base model's
+`generate`); bfloat16 is the fast mode where the hardware computes it natively (CUDA, CPUs with
+AVX512-BF16/AMX), and like every bf16 decoder its outputs depend on how many tokens a forward
+processes. `DartModel.from_pretrained(..., dtype="bfloat16")` loads either; `with_dtype` copies a
+loaded model into another dtype (the baselines of `dart-eval` in every dtype).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -36,6 +43,10 @@ from dart_infer.tree import TreeSearchSettings
 
 __all__ = [
     "DartModel",
+    "as_dtype",
+    "cast_parameters",
+    "default_tree",
+    "native_bf16",
     # Their homes are the modules above; importable from here for existing callers.
     "GREEDY_TEMPERATURE",
     "GenerationStats",
@@ -50,6 +61,67 @@ __all__ = [
     "sampling_accept",
     "tree_children",
 ]
+
+
+# The tree for CPUs (configs/tree/cpu.yaml): verifying n nodes there costs more the larger n. Measured
+# with SmolLM2 and the demo's head on unseen prompts in bfloat16: 1.02x the fastest plain decoding
+# against 0.83x for the paper's 60-node tree in the same run; the fp32 fit here picked 12 nodes too.
+CPU_TREE = TreeSearchSettings(draft_top_k=8, beam_width=6, remain_total=12)
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch floating dtype from itself or a name ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16")."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        name = str(dtype).removeprefix("torch.").lower()
+        if name not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
+        resolved = _DTYPE_NAMES[name]
+    if not resolved.is_floating_point:
+        raise ValueError(f"a model dtype must be floating point, got {resolved}")
+    return resolved
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether `device` computes bfloat16 matmuls natively: a CUDA GPU with bf16, or a CPU with
+    AVX512-BF16/AMX (oneDNN's bf16 kernels); elsewhere bf16 is emulated and slower than float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast `module`'s floating parameters to `dtype` in place, buffers untouched; returns `module`.
+
+    What transformers' loaders do for a model loaded in bf16: the rotary `inv_freq` buffers stay
+    float32. `.to(torch.bfloat16)` would round them too, and rotations then drift with the position
+    (SmolLM2's head dims: cos off by up to 0.33 at position 300 and 1.7 at 1,500), which costs the
+    draft head its acceptance on long prompts.
+    """
+    for parameter in module.parameters():
+        if parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+    return module
+
+
+def default_tree(device: torch.device | str, dtype: torch.dtype | None = None) -> TreeSearchSettings:
+    """The tree `DartModel` uses unless given one: `CPU_TREE` (8 candidates per position, beam 6,
+    12 nodes) on a CPU, where a forward's cost grows with the tokens it verifies, in any dtype
+    (`dtype` is accepted for when the measured best differs by dtype); the paper's 60-node tree on
+    GPUs, where verifying 60 nodes costs about one token's forward. `dart-eval action=fit_tree`
+    measures the best one for a machine and dtype."""
+    del dtype  # one CPU tree for both dtypes so far (measured in bf16, fitted in fp32)
+    return CPU_TREE if torch.device(device).type == "cpu" else TreeSearchSettings()
 
 
 def _as_prompt(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -90,14 +162,30 @@ class DartModel(nn.Module):
         self.tokenizer = tokenizer
         self.trie = trie
         self.profile = profile
-        self.tree = TreeSearchSettings.coerce(tree)
         self.target = TargetModel(base_model, draft_model.config.aux_layer_ids)
+        self.tree = tree
         check_head_matches_target(draft_model, self.target)
         if trie is not None:
             check_trie_matches_tokenizer(trie, tokenizer, self.target.vocab_size)
         self.eos_token_ids = eos_token_ids(base_model, tokenizer)
         self.last_stats: GenerationStats | None = None
         self._attach_embedding()
+
+    @property
+    def tree(self) -> TreeSearchSettings:
+        """The tree-search settings: the ones given, or `default_tree` for the device and dtype the
+        model is on now (a mapping given as `tree` overrides fields of that default)."""
+        spec = self._tree_spec
+        if isinstance(spec, TreeSearchSettings):
+            return spec
+        return default_tree(self.target.device, self.target.dtype).with_overrides(spec)
+
+    @tree.setter
+    def tree(self, value: TreeSearchSettings | Mapping[str, Any] | None) -> None:
+        spec = value if isinstance(value, TreeSearchSettings) or value is None else dict(value)
+        if isinstance(spec, dict):
+            TreeSearchSettings().with_overrides(spec)  # unknown names and bad values fail now
+        self._tree_spec = spec
 
     def _attach_embedding(self) -> None:
         # Weights first take the layout their matmuls run fastest in on this device (see
@@ -116,31 +204,59 @@ class DartModel(nn.Module):
         ngram_model_name_or_path: str | None = None,
         is_small_ngram: bool = False,
         *,
+        dtype: torch.dtype | str | None = None,
         ngram_mmap: bool = True,
         tree: TreeSearchSettings | Mapping[str, Any] | None = None,
         profile: bool = False,
         **kwargs: Any,
     ) -> DartModel:
-        """Load base model (kwargs such as `torch_dtype`/`dtype`, `device_map` go to its loader),
-        tokenizer, head and trie. Names go through `dart_infer.assets.resolve_model`, so the
-        embedded "smollm2-135m-instruct" works offline. `ngram_mmap=False` reads the trie into
-        memory with its query index (faster trie queries, slower load; see `NgramTrie.load`)."""
+        """Load base model, tokenizer, head and trie. `dtype` (a torch dtype or a name: "float32",
+        "bfloat16", ...) is the serving dtype of target and head (default: the loader's); other kwargs
+        such as `device_map` go to the base model's loader. `tree`: settings or field overrides of
+        `default_tree` for the device the model lands on (None: that default, e.g. the 12-node CPU
+        tree on a CPU, the paper's 60-node tree on a GPU). Names go through
+        `dart_infer.assets.resolve_model`, so the embedded "smollm2-135m-instruct" works offline.
+        `ngram_mmap=False` reads the trie into memory with its query index (faster trie queries,
+        slower load; see `NgramTrie.load`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dart_infer.assets import resolve_model
 
         base_path = resolve_model(base_model_name_or_path)
+        if dtype is not None:
+            if "torch_dtype" in kwargs:
+                raise TypeError("give the dtype once: dtype= or torch_dtype=, not both")
+            kwargs["dtype"] = as_dtype(dtype)
         kwargs.setdefault("attn_implementation", "sdpa")
         base_model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(base_path)
         draft = load_draft_model(dart_model_name_or_path)
         weight = base_model.get_input_embeddings().weight
-        draft = draft.to(device=weight.device, dtype=weight.dtype)
+        draft = cast_parameters(draft.to(device=weight.device), weight.dtype)
         trie = None
         if ngram_model_name_or_path is not None:
             trie = load_trie(resolve_model(ngram_model_name_or_path), is_small_ngram, mmap=ngram_mmap)
         model = cls(base_model, draft, tokenizer, trie, tree=tree, profile=profile)
         return model.eval()
+
+    def with_dtype(self, dtype: torch.dtype | str) -> DartModel:
+        """This model in `dtype`: copies of target and head cast to it (this model is untouched), the
+        tokenizer, trie and tree settings shared; `self` when it already is in `dtype`.
+
+        Cast from float32 the copy holds what loading the checkpoint in `dtype` gives (the same
+        rounding); cast up from a lower precision it holds that precision's rounded weights, so make
+        copies from the widest dtype you need (dart-eval loads float32 when it times several).
+        """
+        dtype = as_dtype(dtype)
+        if dtype == self.target.dtype:
+            return self
+        # The head's attached embedding is the target's tensor: leave it out of the copy.
+        memo = {id(self.draft_model.__dict__.get("_target_embedding")): None}
+        base = cast_parameters(copy.deepcopy(self.base_model), dtype)
+        base.config.dtype = dtype
+        draft = cast_parameters(copy.deepcopy(self.draft_model, memo), dtype)
+        copied = DartModel(base, draft, self.tokenizer, self.trie, tree=self._tree_spec, profile=self.profile)
+        return copied.train(self.training)
 
     # ------------------------------------------------------------------------------ plumbing
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> DartModel:

@@ -326,3 +326,84 @@ def test_load_trie_prefers_the_requested_size_then_the_compact_format(tmp_path: 
         load_trie(empty)
     with pytest.raises(FileNotFoundError, match="not found"):
         load_trie(tmp_path / "missing.ngt")
+
+
+# ------------------------------------------------------------------- dtypes and the default tree
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A tiny base (with a tokenizer, as from_pretrained expects) and head saved as checkpoints."""
+    base, head = tiny_pair()
+    root = tmp_path_factory.mktemp("saved_pair")
+    base.save_pretrained(root / "base")
+    smollm2_tokenizer.save_pretrained(root / "base")
+    head.save_pretrained(root / "head")
+    return root
+
+
+def test_from_pretrained_picks_the_tree_for_its_device(saved_pair: Path) -> None:
+    import dataclasses
+
+    import yaml
+
+    from dart_infer.cli import configs_dir
+    from dart_infer.generate import CPU_TREE, default_tree
+
+    model = DartModel.from_pretrained(str(saved_pair / "base"), str(saved_pair / "head"))
+    assert model.tree == default_tree("cpu") == CPU_TREE and model.tree.remain_total == 12
+    assert default_tree("cuda") == TreeSearchSettings() and default_tree("cuda").remain_total == 60
+    # The config groups say the same as the code (tree=cpu / tree=gpu; tree=auto = the device's).
+    for name, device in (("cpu", "cpu"), ("gpu", "cuda")):
+        fields = yaml.safe_load((configs_dir() / "tree" / f"{name}.yaml").read_text())
+        assert TreeSearchSettings().with_overrides(fields) == default_tree(device), name
+    auto = yaml.safe_load((configs_dir() / "tree" / "auto.yaml").read_text())
+    assert TreeSearchSettings().with_overrides(auto) == TreeSearchSettings()  # all null: nothing overridden
+    # A mapping overrides fields of the device's default; settings given whole are kept as given.
+    small = DartModel.from_pretrained(str(saved_pair / "base"), str(saved_pair / "head"), tree={"remain_total": 5})
+    assert small.tree == dataclasses.replace(CPU_TREE, remain_total=5)
+    small.tree = TreeSearchSettings(remain_total=7)
+    assert small.tree == TreeSearchSettings(remain_total=7)
+    with pytest.raises(TypeError, match="unknown tree-search settings"):
+        small.tree = {"beam": 2}
+    prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(0))
+    _, stats = model.dart_generate(prompt, max_new_token_num=20, return_stats=True)
+    assert max(stats.tree_sizes) <= 12
+
+
+def test_bf16_serving_loads_and_copies_consistently(saved_pair: Path) -> None:
+    from dart_infer.generate import as_dtype
+
+    base, head = str(saved_pair / "base"), str(saved_pair / "head")
+    fp32 = DartModel.from_pretrained(base, head, dtype="float32")
+    bf16 = DartModel.from_pretrained(base, head, dtype="bfloat16")
+    assert bf16.target.dtype == torch.bfloat16 and bf16.draft_model.fc.weight.dtype == torch.bfloat16
+    copy = fp32.with_dtype("bf16")
+    assert copy is not fp32 and fp32.target.dtype == torch.float32  # the source is untouched
+    assert fp32.with_dtype(torch.float32) is fp32
+    # Casting the float32 load is loading in bfloat16: the same weights, the same outputs.
+    loaded, copied = bf16.base_model.state_dict(), copy.base_model.state_dict()
+    assert loaded.keys() == copied.keys() and all(torch.equal(loaded[k], copied[k]) for k in loaded)
+    assert all(torch.equal(a, b) for a, b in zip(bf16.draft_model.parameters(), copy.draft_model.parameters(), strict=True))
+    # ... and the same buffers: the rotary inv_freq stays float32 in target and head alike (a bf16
+    # one would rotate far positions wrongly: cos off by more than 1 at position 1,500).
+    assert copy.draft_model.rotary_emb.inv_freq.dtype == bf16.draft_model.rotary_emb.inv_freq.dtype == torch.float32
+    for (name, ours), (_, theirs) in zip(copy.base_model.named_buffers(), bf16.base_model.named_buffers(), strict=True):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+    assert copy.draft_model.embed_tokens.weight.data_ptr() == copy.base_model.get_input_embeddings().weight.data_ptr()
+    prompt = torch.randint(3, 48, (1, 9), generator=torch.Generator().manual_seed(4))
+    out = bf16.dart_generate(prompt, max_new_token_num=24)
+    assert torch.equal(out, copy.dart_generate(prompt, max_new_token_num=24)) and out.shape == (1, 33)
+    assert torch.equal(bf16.ar_generate(prompt, max_new_token_num=24), copy.ar_generate(prompt, max_new_token_num=24))
+    sampled = bf16.dart_generate(prompt, 1.0, max_new_token_num=24, generator=torch.Generator().manual_seed(1))
+    assert 9 < sampled.shape[1] <= 33  # (a sampled EOS may end it early)
+    # fp32 stays the exactness mode.
+    expected = fp32.base_model.generate(
+        prompt, do_sample=False, max_new_tokens=24, eos_token_id=list(fp32.eos_token_ids), pad_token_id=0
+    )
+    assert torch.equal(fp32.dart_generate(prompt, max_new_token_num=24), expected)
+    assert as_dtype("torch.bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        as_dtype("int8")
+    with pytest.raises(TypeError, match="once"):
+        DartModel.from_pretrained(base, head, dtype="float32", torch_dtype=torch.float32)
