@@ -1,23 +1,37 @@
-"""`dart-eval`: τ and wall-clock speedup on benchmarks, and tree sizing for this machine (configs/eval.yaml)."""
+"""`dart-eval`: τ and wall-clock speedup on benchmarks, and tree sizing for this machine (configs/eval.yaml).
+
+- Serving dtype `model.dtype` (DART and every method), plus the plain methods in `baseline_dtypes`: the
+  target is loaded once, in float32 when more than one dtype is timed, and cast (what loading in
+  that dtype gives).
+- `ngram_model: auto` takes the default trie (`default_ngram_model`) when it exists and fits the
+  tokenizer, else DART runs without a trie (said once); an explicit path must exist.
+- `action=fit_tree` writes `<out_dir>/fit_tree.yaml` (the best tree, the dtype and machine it was
+  measured on, every setting's numbers); `tree=<that file>` (or its directory) evaluates with it.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dart_infer.assets import resolve_model
-from dart_infer.cli import configs_dir, hydra_app
+from dart_infer.cli import hydra_app
 from dart_infer.conversations import Conversation, load_conversations
 
 log = logging.getLogger(__name__)
 
-FITTED_HEADER = "# Written by `dart-eval action=fit_tree`"
+FIT_FILE = "fit_tree.yaml"
+FIT_HEADER = "# Written by `dart-eval action=fit_tree`"
 
 
 def benchmark_conversations(name: str, limit: int | None) -> list[Conversation]:
@@ -29,29 +43,184 @@ def benchmark_conversations(name: str, limit: int | None) -> list[Conversation]:
     return load_conversations(name, limit=limit)
 
 
-def load_model(cfg: DictConfig) -> Any:
+# ------------------------------------------------------------------------------------- tree files
+
+
+def _tree_file(value: str) -> Path | None:
+    """The fitted-tree file a `tree=` value names, or None for a config-group option (cpu, gpu, auto)."""
+    if not ("/" in value or value.endswith((".yaml", ".yml")) or value.startswith((".", "~"))):
+        return None  # a bare name is a config-group option
+    path = Path(value).expanduser()
+    if path.is_dir():
+        path = path / FIT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"tree={value}: no such tree file (dart-eval action=fit_tree writes <out_dir>/{FIT_FILE})")
+    return path.resolve()
+
+
+def read_tree_file(path: str | Path) -> dict[str, Any]:
+    """The tree settings in a `fit_tree.yaml` (its `tree:` mapping) or in a plain settings file."""
+    from dart_infer.tree import TreeSearchSettings
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    settings = data.get("tree", data) if isinstance(data, dict) else None
+    if not isinstance(settings, dict) or not settings:
+        raise ValueError(f"{path} holds no tree settings (expected a `tree:` mapping or settings fields)")
+    TreeSearchSettings().with_overrides(settings)  # unknown names and bad values fail here
+    return settings
+
+
+def tree_file_overrides(args: Sequence[str]) -> list[str]:
+    """Hydra overrides with `tree=<file or run dir>` turned into that file's settings.
+
+    `tree` is a config group (cpu, gpu, auto); a path there is replaced by `tree.<field>=<value>`
+    overrides for the file's fields (fields the same command sets explicitly win) and `tree_file=<path>`,
+    so the run's saved config says where its tree came from.
+    """
+    args = list(args)
+    explicit = {a.split("=", 1)[0].lstrip("+") for a in args if a.lstrip("+").startswith("tree.")}
+    out: list[str] = []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        path = _tree_file(value) if key == "tree" and value else None
+        if path is None:
+            out.append(arg)
+            continue
+        for name, setting in read_tree_file(path).items():
+            if f"tree.{name}" not in explicit:
+                rendered = yaml.safe_dump(setting, default_flow_style=True).strip().removesuffix("...").strip()
+                out.append(f"++tree.{name}={rendered}")
+        out.append(f"tree_file={path}")
+    return out
+
+
+def write_fit(out_dir: str | Path, best: dict[str, Any], results: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
+    """`<out_dir>/fit_tree.yaml`: the best tree (`tree:`), where it was measured, and every result."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / FIT_FILE
+    body = yaml.safe_dump({"tree": best, **meta, "all": results}, sort_keys=False)
+    path.write_text(f"{FIT_HEADER}; evaluate with it: dart-eval tree={path}\n{body}")
+    return path
+
+
+# ------------------------------------------------------------------------------------ models, trie
+
+
+def _dtypes(cfg: DictConfig) -> tuple[torch.dtype, list[torch.dtype]]:
+    """(serving dtype, the other dtypes the plain methods are timed in)."""
+    from dart_infer.generate import as_dtype
+
+    serving = as_dtype(cfg.model.dtype)
+    others = [as_dtype(d) for d in cfg.get("baseline_dtypes") or []]
+    return serving, list(dict.fromkeys(d for d in others if d != serving))
+
+
+def resolve_trie(cfg: DictConfig) -> str | None:
+    """The trie file to load (None: no trie), decided before any model loads.
+
+    `auto`: `default_ngram_model` when it exists and was built with this model's tokenizer, else
+    None with one message saying so; null/"none": None; a path: it must exist.
+    """
+    value = cfg.ngram_model
+    if value is None or str(value).lower() in ("none", "null", ""):
+        return None
+    if str(value) != "auto":
+        if not Path(value).exists():
+            raise FileNotFoundError(f"ngram_model={value}: no such trie file or directory")
+        return str(value)
+    default = Path(cfg.default_ngram_model)
+    if not default.exists():
+        print(f"ngram_model=auto: the default trie {default} does not exist (build it with `dart-ngram`); "
+              "DART runs without a trie", flush=True)
+        return None
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dart_infer.loading import check_trie_matches_tokenizer, load_trie
+
+    path = resolve_model(cfg.model.name_or_path)
+    vocab = AutoConfig.from_pretrained(path).get_text_config(decoder=True).vocab_size
+    try:
+        check_trie_matches_tokenizer(load_trie(default), AutoTokenizer.from_pretrained(path), int(vocab))
+    except ValueError as err:
+        print(f"ngram_model=auto: the default trie {default} does not fit this model ({err}); "
+              "DART runs without a trie", flush=True)
+        return None
+    print(f"ngram_model=auto: using the default trie {default}", flush=True)
+    return str(default)
+
+
+def methods_for(methods: Sequence[str], trie: str | None) -> list[str]:
+    """Without a trie `dart` is DART without one: it becomes `dart_no_trie` (once)."""
+    if trie is not None or "dart" not in methods:
+        return list(methods)
+    out = ["dart_no_trie" if m == "dart" else m for m in methods]
+    print("no n-gram trie: method 'dart' runs as 'dart_no_trie'", flush=True)
+    return list(dict.fromkeys(out))
+
+
+def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
+    """(serving model, plain-method models in the other dtypes). One load: in float32 when several
+    dtypes are timed (casting float32 down is what loading in each dtype gives), else in `model.dtype`."""
     from dart_infer.generate import DartModel
 
-    dtype = getattr(torch, cfg.model.dtype)
+    serving_dtype, others = _dtypes(cfg)
+    load_dtype = torch.float32 if others else serving_dtype
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    return DartModel.from_pretrained(
-        resolve_model(cfg.model.name_or_path), cfg.draft_model, cfg.ngram_model, dtype=dtype, tree=tree,
-        ngram_mmap=bool(cfg.ngram_mmap)
+    loaded = DartModel.from_pretrained(
+        resolve_model(cfg.model.name_or_path), cfg.draft_model, trie, dtype=load_dtype, tree=tree,
+        ngram_mmap=bool(cfg.ngram_mmap),
     )
+    by_dtype = {load_dtype: loaded}
+    for dtype in (serving_dtype, *others):
+        if dtype not in by_dtype:
+            by_dtype[dtype] = loaded.with_dtype(dtype)
+    return by_dtype[serving_dtype], [by_dtype[d] for d in others]
+
+
+def load_model(cfg: DictConfig, trie: str | None) -> Any:
+    """The serving model alone (`model.dtype`, the tree configured, `trie` from `resolve_trie`)."""
+    return load_models(OmegaConf.merge(cfg, {"baseline_dtypes": []}), trie)[0]
+
+
+def samplings_from(cfg: DictConfig) -> list[Any]:
+    """`temperature` (one value or a list) x the shared `top_p`/`top_k` → `Sampling` settings."""
+    from dart_infer.evaluate import Sampling
+
+    temperatures = cfg.temperature
+    if not isinstance(temperatures, (list, tuple, ListConfig)):
+        temperatures = [temperatures]
+    return [Sampling(float(t), float(cfg.top_p), int(cfg.top_k)) for t in temperatures]
+
+
+def _check_tree_file(cfg: DictConfig) -> None:
+    """Say so when the tree file was measured in another dtype or on another kind of device."""
+    if not cfg.get("tree_file"):
+        return
+    data = yaml.safe_load(Path(cfg.tree_file).read_text()) or {}
+    measured = data.get("dtype")
+    if measured and measured != str(cfg.model.dtype):
+        print(f"note: the tree in {cfg.tree_file} was fitted in {measured}; this run serves in "
+              f"{cfg.model.dtype} (fit one per dtype: dart-eval action=fit_tree model.dtype={cfg.model.dtype})",
+              flush=True)
 
 
 def run_eval(cfg: DictConfig) -> dict[str, Path]:
-    from dart_infer.evaluate import EvalSettings, Evaluator, save_results, summarize
+    from dart_infer.evaluate import EvalSettings, Evaluator, dtype_name, save_results, summarize
 
+    trie = resolve_trie(cfg)
     settings = EvalSettings(
-        methods=list(cfg.methods), max_new_tokens=cfg.max_new_tokens, multi_turn=cfg.multi_turn,
-        prompt_lookup_num_tokens=cfg.prompt_lookup_num_tokens, threads=cfg.threads,
+        methods=methods_for(list(cfg.methods), trie), max_new_tokens=cfg.max_new_tokens, multi_turn=cfg.multi_turn,
+        prompt_lookup_num_tokens=cfg.prompt_lookup_num_tokens, threads=cfg.threads, samplings=samplings_from(cfg),
+        seed=int(cfg.seed),
     )
+    _dtypes(cfg)  # bad dtype names fail here, before the model loads
+    _check_tree_file(cfg)
     # Bad benchmark names or files fail here, before the model loads.
     benchmarks = {name: benchmark_conversations(name, cfg.limit) for name in cfg.benchmarks}
     torch.manual_seed(cfg.seed)
-    model = load_model(cfg)
-    evaluator = Evaluator(model, settings)
+    model, plain_models = load_models(cfg, trie)
+    evaluator = Evaluator(model, settings, plain_models)
     evaluator.warm_up()
     records = []
     for name, conversations in benchmarks.items():
@@ -59,6 +228,12 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
     summary = summarize(records, model.draft_model.config.draft_length)
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
+        "serving_dtype": dtype_name(model.target.dtype),
+        "plain_dtypes": [dtype_name(m.target.dtype) for m in plain_models],
+        "methods": list(settings.methods),
+        "ngram_model": trie,
+        "tree": asdict(model.tree),
+        "device": str(model.target.device),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
@@ -73,36 +248,46 @@ def run_fit_tree(cfg: DictConfig) -> Path:
     from dart_infer.evaluate import chat_prompt, first_turn, fit_tree
 
     conversations = benchmark_conversations(cfg.benchmarks[0], cfg.fit.prompts)
-    model = load_model(cfg)
+    trie = resolve_trie(cfg)
+    model = load_model(cfg, trie)
     prompts = [chat_prompt(model.tokenizer, first_turn(c)) for c in conversations]
     keys = list(cfg.fit.grid)
     grid = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(cfg.fit.grid[k] for k in keys))]
     results = fit_tree(model, prompts, grid, cfg.fit.max_new_tokens)
-    best = {k: results[0][k] for k in keys}
-    best["ngram_weight"] = float(cfg.tree.ngram_weight)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fit_tree.yaml").write_text(yaml.safe_dump({"best": best, "all": results}, sort_keys=False))
+    # The whole tree (the fields not searched as configured), so the file alone reproduces it.
+    best = {**{k: v for k, v in asdict(model.tree).items() if k not in keys and v is not None},
+            **{k: results[0][k] for k in keys}}
+    meta = {
+        "dtype": str(cfg.model.dtype),
+        "device": str(model.target.device),
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "model": str(cfg.model.name_or_path),
+        "draft_model": str(cfg.draft_model),
+        "ngram_model": trie,
+        "speedup_vs_ar": results[0]["speedup_vs_ar"],
+    }
+    path = write_fit(cfg.out_dir, best, results, meta)
     print("| " + " | ".join(keys) + " | τ | tokens/s | speedup vs AR |")
     print("|" + "---|" * (len(keys) + 3))
     for r in results:
         print("| " + " | ".join(str(r[k]) for k in keys) + f" | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | {r['speedup_vs_ar']:.2f}× |")
-    print(f"best tree on this machine: {best} ({results[0]['speedup_vs_ar']:.2f}× AR); all results: {out / 'fit_tree.yaml'}")
-    if cfg.fit.write_config:
-        target = configs_dir() / "tree" / "fitted.yaml"
-        if target.exists() and not target.read_text().startswith(FITTED_HEADER):
-            print(f"not overwriting {target}: it was not written by dart-eval (copy the settings by hand)")
-        else:
-            target.write_text(f"{FITTED_HEADER} on this machine; use it with tree=fitted.\n" + yaml.safe_dump(best))
-            print(f"wrote {target} (use tree=fitted)")
-    return out / "fit_tree.yaml"
+    print(f"best tree on this machine ({cfg.model.dtype}): {best} ({results[0]['speedup_vs_ar']:.2f}× AR)")
+    print(f"wrote {path}; evaluate with it: dart-eval tree={path}")
+    return path
 
 
 @hydra_app("eval")
-def main(cfg: DictConfig) -> None:
+def _app(cfg: DictConfig) -> None:
     if cfg.action == "eval":
         run_eval(cfg)
     elif cfg.action == "fit_tree":
         run_fit_tree(cfg)
     else:
         raise ValueError(f"unknown action {cfg.action!r}: use 'eval' or 'fit_tree'")
+
+
+def main() -> None:
+    """The `dart-eval` console script: `tree=<fit_tree.yaml or its run dir>` becomes that tree's settings."""
+    sys.argv[1:] = tree_file_overrides(sys.argv[1:])
+    _app()
