@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from hydra import compose
 from omegaconf import DictConfig
 
@@ -17,9 +18,21 @@ from dart_infer.cli import hydra_app
 log = logging.getLogger(__name__)
 
 
-def _compose(name: str, cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    shared = [f"model.name_or_path={cfg.model.name_or_path}", f"model.dtype={cfg.model.dtype}"]
+def _compose(name: str, cfg: DictConfig, overrides: list[str], dtype: str | None = None) -> DictConfig:
+    shared = [f"model.name_or_path={cfg.model.name_or_path}", f"model.dtype={dtype or cfg.model.dtype}"]
     return compose(config_name=name, overrides=[*shared, *overrides])
+
+
+def serve_dtype(cfg: DictConfig) -> str:
+    """`serve_dtype`: a dtype name, or `auto` = bfloat16 where this machine computes it natively
+    (CUDA, CPUs with AVX512-BF16/AMX), else float32 (the exactness mode)."""
+    from dart_infer.generate import as_dtype, native_bf16
+
+    value = str(cfg.serve_dtype)
+    if value != "auto":
+        return str(as_dtype(value)).removeprefix("torch.")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bfloat16" if native_bf16(device) else "float32"
 
 
 def build_trie(cfg: DictConfig) -> Path:
@@ -47,6 +60,15 @@ def train_head(cfg: DictConfig, trie: Path) -> Path:
     return Path(summary["head"])
 
 
+def eval_config(cfg: DictConfig, head: Path, trie: Path) -> DictConfig:
+    """dart-eval's config for the demo's last stage: its overrides, the head and trie just made, DART
+    in `serve_dtype`, the plain baselines in eval's `baseline_dtypes`."""
+    from dart_infer.cli.eval import tree_file_overrides
+
+    overrides = [*cfg.eval_overrides, f"draft_model={head}", f"ngram_model={trie}", f"out_dir={Path(cfg.out_dir) / 'eval'}"]
+    return _compose("eval", cfg, tree_file_overrides(overrides), dtype=serve_dtype(cfg))
+
+
 @hydra_app("demo")
 def main(cfg: DictConfig) -> None:
     from dart_infer.cli.eval import run_eval
@@ -57,10 +79,8 @@ def main(cfg: DictConfig) -> None:
         print(f"[demo 2/3] using the head {head}", flush=True)
     else:
         head = train_head(cfg, trie)
-    eval_cfg = _compose(
-        "eval", cfg,
-        [*cfg.eval_overrides, f"draft_model={head}", f"ngram_model={trie}", f"out_dir={Path(cfg.out_dir) / 'eval'}"],
-    )
-    print(f"[demo 3/3] evaluating on {list(eval_cfg.benchmarks)} (limit {eval_cfg.limit})", flush=True)
+    eval_cfg = eval_config(cfg, head, trie)
+    print(f"[demo 3/3] evaluating on {list(eval_cfg.benchmarks)} (limit {eval_cfg.limit}), DART in "
+          f"{eval_cfg.model.dtype}, plain decoding also in {list(eval_cfg.baseline_dtypes)}", flush=True)
     run_eval(eval_cfg)
     print(f"head: {head}\ntrie: {trie}\nresults: {Path(cfg.out_dir) / 'eval'}", flush=True)

@@ -37,3 +37,27 @@ def test_unknown_config_keys_are_rejected(name: str, tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "no_such_key" in result.stderr
+
+
+def test_demo_evaluates_dart_in_its_serving_dtype_against_baselines_in_every_dtype(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from dart_infer.cli import configs_dir
+    from dart_infer.generate import native_bf16
+    from dart_train.demo import eval_config, serve_dtype
+
+    fit = tmp_path / "fit_tree.yaml"
+    fit.write_text("tree: {draft_top_k: 4, beam_width: 3, remain_total: 9, ngram_weight: 0.5}\ndtype: bfloat16\n")
+    with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
+        cfg = compose(config_name="demo", overrides=[f"out_dir={tmp_path}"])
+        assert cfg.model.dtype == "float32"  # training's dtype is untouched by serve_dtype
+        assert serve_dtype(cfg) == ("bfloat16" if native_bf16("cpu") else "float32")
+        with open_dict(cfg):
+            cfg.serve_dtype = "bf16"
+            cfg.eval_overrides = [*cfg.eval_overrides, f"tree={fit}"]
+        ev = eval_config(cfg, tmp_path / "head", tmp_path / "full.ngt")
+    assert ev.model.dtype == "bfloat16" and list(ev.baseline_dtypes) == ["float32", "bfloat16"]
+    assert ev.draft_model == str(tmp_path / "head") and ev.out_dir == str(tmp_path / "eval")
+    assert (ev.tree.draft_top_k, ev.tree.remain_total) == (4, 9) and ev.tree_file == str(fit.resolve())
+    assert ev.limit == cfg.eval_prompts and ev.max_new_tokens == cfg.max_new_tokens
