@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--context", type=int, default=300, help="cached tokens for the micro-benchmarks")
     parser.add_argument("--nodes", type=int, default=13, help="tree nodes (root included) to verify")
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=200, help="micro-benchmark calls (0: skip them)")
     parser.add_argument("--prompts", type=int, default=2, help="generations per method (0: micro-benchmarks only)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None)
@@ -129,14 +129,15 @@ def main() -> None:
     def draft_lm_head() -> None:
         draft.lm_head(rows)
 
-    print("| piece | CPU ms (median) | wall ms (median) | wall ms (best) |\n|---|---|---|---|")
+    if args.repeats > 0:
+        print("| piece | CPU ms (median) | wall ms (median) | wall ms (best) |\n|---|---|---|---|")
     for name, fn, reps in (
         ("target AR step (1 token)", ar_step, args.repeats),
         (f"target verify ({n} nodes)", verify, max(20, args.repeats // 4)),
         (f"cache append ({n} entries) + keep_path (3 kept)", grow_and_keep, args.repeats),
         ("draft_step (3 new positions)", draft_step, args.repeats),
         (f"draft lm_head ({draft.config.draft_length} rows)", draft_lm_head, args.repeats),
-    ):
+    ) if args.repeats > 0 else ():
         median, best, cpu = timed(fn, reps)
         print(f"| {name} | {cpu * 1e3:.2f} | {median * 1e3:.2f} | {best * 1e3:.2f} |", flush=True)
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dart_infer.assets import resolve_model
-from dart_infer.target import TargetModel
+from dart_infer.target import TargetModel, use_fast_matmul_layout
 
 
 def best_of(fn, repeats: int) -> float:
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--default-layout", action="store_true",
+                        help="keep transformers' weight layout (DartModel serves with use_fast_matmul_layout)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -44,6 +46,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model(args.model), dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
     ).eval()
+    if not args.default_layout:
+        use_fast_matmul_layout(model)  # what DartModel serves with
     target = TargetModel(model)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (1, args.context), generator=generator)
@@ -58,7 +62,8 @@ def main() -> None:
         rewind()
 
     base = best_of(ar_step, args.repeats)
-    print(f"{args.model} ({args.dtype}, {torch.get_num_threads()} threads), {past} cached tokens: "
+    layout = "transformers' layout" if args.default_layout else "serving layout"
+    print(f"{args.model} ({args.dtype}, {layout}, {torch.get_num_threads()} threads), {past} cached tokens: "
           f"one AR step {base * 1e3:.1f} ms\n")
     print("| tree nodes | verify ms | × AR step |\n|---|---|---|")
     for n in args.nodes:
