@@ -63,8 +63,10 @@ def result(run_dir: Path) -> dict[str, float] | None:
         "tau": last["eval/tau"], "tau_target": last.get("eval/tau_target", float("nan")),
         "alpha_1": last.get("eval/alpha_1", float("nan")), "eval_loss": last.get("eval/loss", float("nan")),
         "train_loss": steps[-1]["loss"] if steps else float("nan"),
-        "tokens": sum(r.get("tokens", 0) for r in steps),
-        "seconds": sum(r["tokens"] / r["tokens_per_s"] for r in steps if r.get("tokens_per_s")),
+        # Rows are logged every log_every steps and describe that step: scale their mean to all steps.
+        "tokens": steps[-1]["step"] * sum(r["tokens"] for r in steps) / len(steps) if steps else 0,
+        "seconds": steps[-1]["step"] * sum(r["tokens"] / r["tokens_per_s"] for r in steps) / len(steps)
+        if steps else 0,
     }
 
 
@@ -103,7 +105,7 @@ def main() -> None:
         table[name] = {"overrides": VARIANTS[name], **(result(run_dir) or {})}
         row = table[name]
         print(f"{name:18s} tau {row.get('tau', float('nan')):.3f}  alpha_1 {row.get('alpha_1', float('nan')):.3f}  "
-              f"train loss {row.get('train_loss', float('nan')):.3f}  {row.get('tokens', 0):,} tokens", flush=True)
+              f"train loss {row.get('train_loss', float('nan')):.3f}  {row.get('tokens', 0):,.0f} tokens", flush=True)
     (args.out / "ab.json").write_text(json.dumps(table, indent=2))
     lines = ["| variant | overrides | held-out τ | τ (target argmax) | α_1 | eval loss | train loss | tokens | train s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -112,7 +114,7 @@ def main() -> None:
             f"| {name} | {' '.join(row['overrides']) or '–'} | {row.get('tau', float('nan')):.3f} | "
             f"{row.get('tau_target', float('nan')):.3f} | {row.get('alpha_1', float('nan')):.3f} | "
             f"{row.get('eval_loss', float('nan')):.3f} | {row.get('train_loss', float('nan')):.3f} | "
-            f"{row.get('tokens', 0):,} | {row.get('seconds', 0):.0f} |"
+            f"{row.get('tokens', 0):,.0f} | {row.get('seconds', 0):.0f} |"
         )
     (args.out / "ab.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
