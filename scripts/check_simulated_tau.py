@@ -43,14 +43,24 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-length", type=int, default=1024, help="dataset answers: tokens per sequence")
     parser.add_argument("--anchors", type=int, default=16, help="anchors per sequence for the dataset answers")
-    parser.add_argument("--tree", default="cpu", help="configs/tree/<name>.yaml")
+    parser.add_argument("--tree", default="cpu",
+                        help="configs/tree/<name>.yaml, or a fit_tree.yaml (or the dart-eval run dir holding it)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    tree = OmegaConf.to_container(OmegaConf.load(configs_dir() / "tree" / f"{args.tree}.yaml"), resolve=True)
+    named = configs_dir() / "tree" / f"{args.tree}.yaml"
+    if named.is_file():
+        tree = OmegaConf.to_container(OmegaConf.load(named), resolve=True)
+    else:  # a fit_tree.yaml that dart-eval action=fit_tree wrote, or its run directory
+        from dart_infer.cli.eval import read_tree_file, tree_file
+
+        path = tree_file(args.tree)
+        if path is None:
+            parser.error(f"--tree {args.tree!r}: no configs/tree/{args.tree}.yaml and not a file path")
+        tree = read_tree_file(path)
     model = DartModel.from_pretrained(args.model, args.head, args.trie, tree=tree, dtype=torch.float32)
     tokenizer, draft = model.tokenizer, model.draft_model
     conversations = [c for c in load_conversations(args.source, split=args.split, limit=args.limit)

@@ -46,7 +46,7 @@ def benchmark_conversations(name: str, limit: int | None) -> list[Conversation]:
 # ------------------------------------------------------------------------------------- tree files
 
 
-def _tree_file(value: str) -> Path | None:
+def tree_file(value: str) -> Path | None:
     """The fitted-tree file a `tree=` value names, or None for a config-group option (cpu, gpu, auto)."""
     if not ("/" in value or value.endswith((".yaml", ".yml")) or value.startswith((".", "~"))):
         return None  # a bare name is a config-group option
@@ -82,7 +82,7 @@ def tree_file_overrides(args: Sequence[str]) -> list[str]:
     out: list[str] = []
     for arg in args:
         key, _, value = arg.partition("=")
-        path = _tree_file(value) if key == "tree" and value else None
+        path = tree_file(value) if key == "tree" and value else None
         if path is None:
             out.append(arg)
             continue
