@@ -78,6 +78,18 @@ def collate_packed(
     }
 
 
+def _order_for_rank(batches: list, generator: torch.Generator | None, rank: int, world_size: int) -> list:
+    """Both samplers' last step: shuffle the batch order (unless `generator` is None), then give this
+    rank every world_size-th batch (the tail that does not divide evenly is dropped so all ranks step
+    together)."""
+    if generator is not None:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    if world_size > 1:
+        usable = len(batches) - len(batches) % world_size
+        batches = batches[rank:usable:world_size]
+    return batches
+
+
 class LengthBucketBatchSampler:
     """Batches of similar-length sequences; the order is a pure function of (seed, epoch).
 
@@ -146,12 +158,7 @@ class LengthBucketBatchSampler:
                 current.append(index)
             if current:
                 batches.append(current)
-        if self.shuffle:
-            batch_order = torch.randperm(len(batches), generator=generator).tolist()
-            batches = [batches[i] for i in batch_order]
-        if self.world_size > 1:
-            usable = len(batches) - len(batches) % self.world_size
-            batches = batches[self.rank : usable : self.world_size]
+        batches = _order_for_rank(batches, generator if self.shuffle else None, self.rank, self.world_size)
         self._cache = (epoch, batches)
         return batches
 
@@ -236,11 +243,7 @@ class PackedBatchSampler:
                 pool.append(index)
                 tokens += self.lengths[index]
         batches = [rows[i : i + self.rows_per_batch] for i in range(0, len(rows), self.rows_per_batch)]
-        if self.shuffle:
-            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-        if self.world_size > 1:
-            usable = len(batches) - len(batches) % self.world_size
-            batches = batches[self.rank : usable : self.world_size]
+        batches = _order_for_rank(batches, generator if self.shuffle else None, self.rank, self.world_size)
         self._cache = (epoch, batches)
         return batches
 
