@@ -61,19 +61,16 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
-    if name in (None, "null", "none"):
-        return None
-    value = getattr(torch, str(name), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} (use float32, bfloat16 or float16)")
-    return value
+    """A config dtype name, or None for null/none."""
+    from dart_infer.dtypes import as_dtype
+
+    return None if name in (None, "null", "none") else as_dtype(name)
 
 
 def _native_bf16() -> bool:
-    """bfloat16 computed natively: CUDA with bf16, or a CPU with AVX512-BF16/AMX."""
-    if torch.cuda.is_available():
-        return bool(torch.cuda.is_bf16_supported())
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    from dart_infer.dtypes import native_bf16
+
+    return native_bf16("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _autocast_dtype(name: str | None) -> torch.dtype | None:
@@ -175,8 +172,10 @@ def _load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
     embedding = model.get_input_embeddings().weight.detach()
     states_dtype = states_target_dtype(cfg)
     if states_dtype != dtype:
+        from dart_infer.dtypes import cast_parameters
+
         embedding = embedding.clone()
-        model.to(states_dtype)
+        cast_parameters(model, states_dtype)  # not .to(): rotary inv_freq buffers must stay float32
     tokenizer = AutoTokenizer.from_pretrained(path)
     return TargetModel(model), tokenizer, embedding
 

@@ -51,6 +51,7 @@ def main() -> None:
 
     from dart_infer.assets import resolve_model
     from dart_infer.conversations import load_conversations
+    from dart_infer.dtypes import cast_parameters
     from dart_infer.model import DartDraftConfig, DartDraftModel
     from dart_infer.target import TargetModel
     from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
@@ -66,7 +67,7 @@ def main() -> None:
     fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     embedding = fp32.get_input_embeddings().weight.detach()
     target_fp32 = TargetModel(fp32)
-    target_bf16 = TargetModel(copy.deepcopy(fp32).to(torch.bfloat16))
+    target_bf16 = TargetModel(cast_parameters(copy.deepcopy(fp32), torch.bfloat16))  # as dart-train does
     tokenizer = AutoTokenizer.from_pretrained(path)
     conversations = load_conversations("sharegpt", split="train", limit=args.conversations)
     dataset = build_dataset(conversations, tokenizer, args.max_length)

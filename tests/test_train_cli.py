@@ -266,3 +266,14 @@ def test_regenerate_only_then_resume_trains_with_the_saved_config(tiny_checkpoin
     assert more.returncode == 0, more.stderr[-4000:]
     assert OmegaConf.load(out / "config.yaml").model.name_or_path == str(tiny_checkpoint)
     assert (out / "head" / "model.safetensors").is_file()
+
+
+def test_states_target_keeps_float32_rotary_tables(tiny_checkpoint) -> None:
+    """The bf16 copy is cast like transformers loads bf16 (parameters only): rounding the rotary
+    inv_freq buffer to bf16 would shift every position's rotation (worse the longer the sequence)."""
+    from dart_train.cli import _load_target
+
+    target, _, _ = _load_target(_compose("model=custom", f"model.name_or_path={tiny_checkpoint}",
+                                         "states.target_dtype=bfloat16"))
+    buffers = {name: b.dtype for name, b in target.model.named_buffers() if "inv_freq" in name}
+    assert buffers and set(buffers.values()) == {torch.float32}

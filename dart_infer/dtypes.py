@@ -1,0 +1,55 @@
+"""Model dtypes: names, whether the hardware computes bfloat16 natively, and casting a model the way
+transformers' loaders do. Used by serving (`DartModel`, `dart-eval`) and by training (`dart-train`'s
+bf16 copy of the target), so both cast the same way."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["as_dtype", "cast_parameters", "native_bf16"]
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch floating dtype from itself or a name ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16")."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        name = str(dtype).removeprefix("torch.").lower()
+        if name not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
+        resolved = _DTYPE_NAMES[name]
+    if not resolved.is_floating_point:
+        raise ValueError(f"a model dtype must be floating point, got {resolved}")
+    return resolved
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether `device` computes bfloat16 matmuls natively: a CUDA GPU with bf16, or a CPU with
+    AVX512-BF16/AMX (oneDNN's bf16 kernels); elsewhere bf16 is emulated and slower than float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast `module`'s floating parameters to `dtype` in place, buffers untouched; returns `module`.
+
+    What transformers' loaders do for a model loaded in bf16: the rotary `inv_freq` buffers stay
+    float32. `.to(torch.bfloat16)` would round them too, and rotations then drift with the position
+    (SmolLM2's head dims: cos off by up to 0.33 at position 300 and 1.7 at 1,500), which costs the
+    draft head its acceptance on long prompts.
+    """
+    for parameter in module.parameters():
+        if parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+    return module
