@@ -258,6 +258,13 @@ class DartTrainer:
             optimizer, cosine_with_warmup(self.total_steps, self.warmup_steps, settings.min_lr_ratio)
         )
         use_flex = {"auto": None, "dense": False, "flex": True}[settings.attention]
+        if use_flex is not False and torch.cuda.is_available():
+            # BlockMask attention through the compiled kernel (compiled at its first call, once per
+            # process): eager flex_attention materialises the whole score matrix. CUDA only: the
+            # compiled kernel has no backward on CPU (torch 2.13), where training uses the dense mask.
+            from dart_infer.model import use_compiled_flex_attention
+
+            use_compiled_flex_attention()
         module = _ObjectiveModule(draft_model, settings.gamma, use_flex)
         if settings.zero_stage == 3:
             # mask_rep is read directly (not through a submodule's forward): gather it with the wrapper.

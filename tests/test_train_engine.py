@@ -261,3 +261,27 @@ def test_head_autocast_runs_the_forward_in_bf16_and_keeps_fp32_weights(target, d
     assert float(a.loss) != float(b.loss) and float(b.loss) == pytest.approx(float(a.loss), rel=2e-2)
     with pytest.raises(ValueError, match="exclude each other"):
         TrainSettings(bf16=True, autocast_dtype="bfloat16")
+
+
+def test_compiled_flex_attention_gives_the_dense_mask_logits(target, dataset) -> None:
+    """The kernel GPU training runs BlockMask attention through (the engine turns it on on CUDA):
+    compiled flex_attention, here on CPU and forward only (its CPU backward does not exist), gives
+    the logits of the exact dense mask."""
+    import dart_infer.model as model_module
+    from dart_train.batching import collate
+    from dart_train.objective import build_layout, draft_forward
+
+    head = make_head(target, dataset).eval()
+    batch = collate([dataset[i] for i in range(3)])
+    states = OnlineStateSource(target, topk=16, hidden_dtype=torch.float32)(batch)
+    layout = build_layout(batch["loss_mask"], head.config.draft_length)
+    with torch.no_grad():
+        dense = draft_forward(head, states["aux_hidden"], batch["input_ids"], layout, use_flex=False)
+        try:
+            model_module.use_compiled_flex_attention()
+            assert model_module._compiled_flex is not None
+            flex = draft_forward(head, states["aux_hidden"], batch["input_ids"], layout, use_flex=True)
+        finally:
+            model_module.use_compiled_flex_attention(False)  # other tests run eager flex
+    valid = layout.row_valid
+    torch.testing.assert_close(flex[valid], dense[valid], rtol=1e-4, atol=1e-4)
