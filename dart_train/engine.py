@@ -23,8 +23,17 @@ Run directory layout:
   metrics.jsonl                one line per logged step / eval (loss, α_j, tokens/s, τ)
 
 Exact resume: checkpoints are written only at optimiser-step boundaries; loading one restores the
-weights, AdamW moments, LR schedule, the loader's (epoch, batch) position and every RNG, so the
-resumed loss curve equals the uninterrupted one (tests/test_train_engine.py).
+weights, AdamW moments, LR schedule, and on every rank its loader's (epoch, batch) position and RNGs
+(`checkpoints/<tag>/rank_state_<rank>.pt`: with ZeRO 0-2 DeepSpeed keeps client state from rank 0
+only), so the resumed loss curve equals the uninterrupted one (tests/test_train_engine.py, 2 ranks in
+tests/test_multirank.py). Anchors are sampled from a generator seeded by the micro-batch's global
+position (step, micro-batch, rank), so 2 ranks x 1 micro-batch sample what 1 rank x 2 does.
+
+Resume under changes (`resume()`): the optimiser / schedule settings of `_APPLIED_ON_RESUME` may
+differ from the checkpoint's and are applied to the restored optimiser and LambdaLR (logged); the
+others (ZeRO stage, bf16, seed, grad_accum, world size) are refused with a `ResumeError` that says
+which value to pass. `metrics.jsonl` continues from the checkpoint's step: lines logged after it
+are moved to `metrics.dropped-<step>-<time>.jsonl` (logged), never lost silently.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dart_infer.files import atomic_path, atomic_write_bytes
 from dart_train.dist import rank_and_world_size
 from dart_train.objective import ObjectiveOutput, annealed_kl_loss, build_layout, draft_forward
 
@@ -170,6 +180,43 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class ResumeError(RuntimeError):
+    """A checkpoint cannot be continued with these settings (the message says how to resume it)."""
+
+
+# Settings a resumed run may change: the optimiser's hyper-parameters and the LR schedule are applied
+# to the restored optimiser/scheduler; the rest is read afresh every step.
+_APPLIED_ON_RESUME = frozenset({
+    "lr", "betas", "eps", "weight_decay", "warmup_ratio", "warmup_steps", "min_lr_ratio", "max_steps",
+    "epochs", "grad_clip", "gamma", "autocast_dtype", "max_anchors", "attention", "log_every", "eval_every",
+    "save_every", "keep_last", "progress",
+})
+# The config keys of the settings (`dart_train.cli.settings_from_config`), for messages.
+_CONFIG_KEYS = {
+    "lr": "optim.lr", "betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay",
+    "warmup_ratio": "optim.warmup_ratio", "warmup_steps": "optim.warmup_steps",
+    "min_lr_ratio": "optim.min_lr_ratio", "grad_clip": "optim.grad_clip", "gamma": "optim.gamma",
+    "epochs": "optim.epochs", "max_steps": "trainer.max_steps", "grad_accum": "trainer.grad_accum",
+    "zero_stage": "trainer.zero_stage", "bf16": "trainer.bf16", "autocast_dtype": "trainer.autocast",
+    "max_anchors": "trainer.max_anchors", "attention": "trainer.attention", "seed": "seed",
+    "log_every": "logging.log_every", "eval_every": "train_eval.every", "save_every": "trainer.save_every",
+    "keep_last": "trainer.keep_last", "progress": "logging.progress",
+}
+_WHY_REFUSED = {
+    "zero_stage": "DeepSpeed stores the optimiser state per ZeRO stage",
+    "bf16": "the optimiser's master weights are stored differently with bf16",
+    "seed": "the data order of the rest of the run depends on it",
+    "grad_accum": "it changes the global batch the data position and schedule were counted in",
+    "extra_ds_config": "it may change how DeepSpeed stores the checkpoint",
+}
+RANK_STATE = "rank_state_{rank:05d}.pt"
+
+
+def _anchor_seed(seed: int, global_micro: int) -> int:
+    """Seed of the anchor sample of one micro-batch, from its position in the global batch order."""
+    return (seed * 1_000_003 + 7919 * global_micro + 1) % (2**63 - 1)
+
+
 class _ObjectiveModule(nn.Module):
     """What DeepSpeed wraps: the head plus the loss (so ZeRO hooks run around the whole forward)."""
 
@@ -236,7 +283,7 @@ class DartTrainer:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local_rank)
             draft_model.to(f"cuda:{local_rank}")
-        self.anchor_rng = torch.Generator().manual_seed(settings.seed + 1)
+        self.anchor_rng = torch.Generator()
 
         batches_per_epoch = max(1, len(loader))
         steps_per_epoch = max(1, batches_per_epoch // settings.grad_accum)
@@ -278,6 +325,7 @@ class DartTrainer:
             config=self.ds_config,
         )
         self.step = 0  # optimiser steps done
+        self._micro_in_step = 0  # micro-batches of the current step done (anchor seeding)
         self.best: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
         # Seconds spent getting target states (target forward or cache read) vs the draft's step.
@@ -317,6 +365,9 @@ class DartTrainer:
         with torch.no_grad():
             states = self.state_source(batch)
         after_states = time.perf_counter()
+        rank, world = rank_and_world_size()
+        global_micro = (self.step * self.settings.grad_accum + self._micro_in_step) * world + rank
+        self.anchor_rng.manual_seed(_anchor_seed(self.settings.seed, global_micro))
         position_ids = states.get("position_ids")
         layout = build_layout(
             states["loss_mask"],
@@ -355,7 +406,8 @@ class DartTrainer:
                 window.add(out, int(batch["attention_mask"].sum()) if "attention_mask" in batch else
                            int(batch["input_ids"].numel()), loss_tokens)
                 micro += 1
-                if micro % s.grad_accum:
+                self._micro_in_step = micro % s.grad_accum
+                if self._micro_in_step:
                     continue
                 self.step += 1
                 metrics = window.flush(lr=self.scheduler.get_last_lr()[0], step=self.step)
@@ -424,17 +476,24 @@ class DartTrainer:
         if rank_and_world_size()[0] == 0:
             (self.run_dir / BEST_DIR / "best.json").write_text(json.dumps(self.best, indent=2))
 
-    def save_checkpoint(self) -> str:
-        """DeepSpeed checkpoint of this step + client state (incl. data position, RNG); keep-last-N."""
-        tag = f"step_{self.step:08d}"
-        client_state = {
-            "dart_step": self.step,
-            "loader": self.loader.state_dict(),
-            "rng": _rng_state(),
-            "anchor_rng": self.anchor_rng.get_state(),
-            "best": self.best,
-            "settings": asdict(self.settings),
+    def _rank_state(self) -> dict[str, Any]:
+        rank, world = rank_and_world_size()
+        return {
+            "rank": rank, "world_size": world, "dart_step": self.step, "loader": self.loader.state_dict(),
+            "rng": _rng_state(), "settings": asdict(self.settings),
         }
+
+    def save_checkpoint(self) -> str:
+        """DeepSpeed checkpoint of this step + every rank's state (data position, RNG); keep-last-N."""
+        tag = f"step_{self.step:08d}"
+        rank_state = self._rank_state()
+        tag_dir = self.checkpoint_dir / tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        # Written before DeepSpeed's save, which starts with a barrier and ends by pointing `latest`
+        # at the tag: a tag that `latest` names has every rank's state.
+        with atomic_path(tag_dir / RANK_STATE.format(rank=rank_state["rank"])) as tmp:
+            torch.save(rank_state, tmp)
+        client_state = {**rank_state, "best": self.best}
         self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state)
         self._rotate()
         return tag
@@ -450,21 +509,105 @@ class DartTrainer:
         pointer = self.checkpoint_dir / "latest"
         return pointer.read_text().strip() if pointer.is_file() else None
 
+    def _check_resumable(self, saved: Mapping[str, Any], tag: str) -> list[str]:
+        """Refuse what a checkpoint cannot continue with; returns the changes that will be applied."""
+        rank, world = rank_and_world_size()
+        saved_world = int(saved.get("world_size", 1))
+        if saved_world != world:
+            raise ResumeError(
+                f"checkpoint {tag} was written by {saved_world} rank(s), this run has {world}: each rank "
+                f"resumes its own data position and RNGs. Launch {saved_world} rank(s) to resume it, or start "
+                f"a new run from its exported head (draft.init_from=<run>/head)."
+            )
+        old = dict(saved.get("settings") or {})
+        if "betas" in old:
+            old["betas"] = tuple(float(b) for b in old["betas"])
+        changes, refused = [], []
+        for key, value in asdict(self.settings).items():
+            if key not in old or old[key] == value:
+                continue
+            name = _CONFIG_KEYS.get(key, key)
+            if key in _APPLIED_ON_RESUME:
+                changes.append(f"{name}: {old[key]!r} -> {value!r}")
+            else:
+                why = _WHY_REFUSED.get(key, "it is not applied to a restored run")
+                refused.append(f"{name}: the checkpoint has {old[key]!r}, this run {value!r} ({why}); "
+                               f"resume with {name}={old[key]!r}")
+        if refused:
+            raise ResumeError(
+                f"cannot resume checkpoint {tag} with changed settings:\n  " + "\n  ".join(refused)
+                + "\nor start a new run from its exported head (draft.init_from=<run>/head)."
+            )
+        return changes
+
+    def _apply_optimizer_settings(self) -> None:
+        """Put this run's optimiser settings and schedule into the restored optimiser/LambdaLR.
+
+        The restored LambdaLR keeps its step but its lambda is this run's (a closure is not saved), so
+        the schedule follows this run's max_steps/warm-up; the base LR, betas, eps and weight decay
+        come back from the checkpoint and are replaced here. Unchanged settings give the restored
+        values again (the same formula)."""
+        s = self.settings
+        scheduler = self.scheduler
+        step = scheduler.last_epoch
+        scheduler.base_lrs = [s.lr for _ in scheduler.base_lrs]
+        lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+        groups = self.engine.optimizer.param_groups
+        for group, lr in zip(groups, lrs, strict=True):
+            group.update(lr=lr, initial_lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
+        scheduler._last_lr = lrs
+
     def resume(self, tag: str | None = None) -> bool:
-        """Load the newest (or the given) checkpoint; False when there is none."""
+        """Load the newest (or the given) checkpoint; False when there is none.
+
+        Raises `ResumeError` for settings the checkpoint cannot continue with (module doc)."""
         tag = tag or self.latest_tag()
         if tag is None:
             return False
+        rank, _ = rank_and_world_size()
+        tag_dir = self.checkpoint_dir / tag
+        first = tag_dir / RANK_STATE.format(rank=0)
+        own: dict[str, Any] | None = None
+        if first.is_file():  # every rank checks rank 0's record, so all refuse (or go on) together
+            changes = self._check_resumable(torch.load(first, weights_only=False), tag)
+            own = torch.load(tag_dir / RANK_STATE.format(rank=rank), weights_only=False)
         path, client = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=tag)
         if path is None or client is None:
             raise RuntimeError(f"could not load checkpoint {tag!r} from {self.checkpoint_dir}")
-        self.step = int(client["dart_step"])
-        self.loader.load_state_dict(client["loader"])
-        _set_rng_state(client["rng"])
-        self.anchor_rng.set_state(client["anchor_rng"])
+        if own is None:  # written before per-rank files: rank 0's state from DeepSpeed's client state
+            changes = self._check_resumable(client, tag)
+            own = client
+        self.step = int(own["dart_step"])
+        self.loader.load_state_dict(own["loader"])
+        _set_rng_state(own["rng"])
         self.best = client.get("best")
+        self._apply_optimizer_settings()
+        for change in changes:
+            log.warning("resume: %s (applied to the restored optimiser/schedule)", change)
+        if rank == 0:
+            self._truncate_metrics(self.step)
         log.info("resumed from %s at step %d", tag, self.step)
         return True
+
+    def _truncate_metrics(self, step: int) -> None:
+        """metrics.jsonl continues from `step`: lines logged after it (a killed run's steps past its last
+        checkpoint) move to metrics.dropped-<step>-<time>.jsonl, so the file has no duplicate steps."""
+        path = self.run_dir / METRICS_FILE
+        if not path.is_file():
+            return
+        kept, dropped = [], []
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                logged = int(json.loads(line).get("step", 0))
+            except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+                logged = step + 1  # a line cut by the kill
+            (kept if logged <= step else dropped).append(line)
+        if not dropped:
+            return
+        backup = self.run_dir / f"metrics.dropped-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
+        atomic_write_bytes(backup, "".join(dropped).encode())
+        atomic_write_bytes(path, "".join(kept).encode())
+        log.warning("resume: %d line(s) of %s logged after step %d moved to %s", len(dropped), path, step, backup)
 
     def export(self, out_dir: str | os.PathLike[str]) -> Path:
         """Write the head in HF format (config.json + model.safetensors, authors' key names)."""

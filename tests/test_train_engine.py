@@ -83,15 +83,15 @@ def test_exact_resume_after_kill(target, dataset, tmp_path: Path) -> None:
     reference = losses(tmp_path / "full")
     assert len(reference) == 6
 
-    # Kill the run in the middle of step 5 (after the step-4 checkpoint, with one micro-batch of
-    # step 5 already consumed), then resume in a fresh trainer from what is on disk.
+    # Kill the run in the middle of step 6 (after the step-4 checkpoint and step 5's metrics line,
+    # with one micro-batch of step 6 already consumed), then resume in a fresh trainer from disk.
     part_dir = tmp_path / "part"
     first = make_trainer(target, dataset, part_dir)
     source, calls = first.state_source, []
 
     def dying_source(batch):
         calls.append(1)
-        if len(calls) == 4 * 2 + 2:  # second micro-batch of step 5 (grad_accum=2)
+        if len(calls) == 5 * 2 + 2:  # second micro-batch of step 6 (grad_accum=2)
             raise KeyboardInterrupt("killed")
         return source(batch)
 
@@ -99,22 +99,64 @@ def test_exact_resume_after_kill(target, dataset, tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         first.train()
     assert first.latest_tag() == "step_00000004"
-    assert len(losses(part_dir)) == 4
+    assert len(losses(part_dir)) == 5
     second = make_trainer(target, dataset, part_dir)
     assert second.resume()
     assert second.step == 4
+    # Step 5 was logged after the checkpoint: moved aside (not lost), so no step appears twice.
+    (dropped,) = part_dir.glob("metrics.dropped-00000004-*.jsonl")
+    assert [json.loads(line)["step"] for line in dropped.read_text().splitlines()] == [5]
+    assert len(losses(part_dir)) == 4
     second.train()
     resumed = losses(part_dir)
     assert resumed[:4] == reference[:4]
     assert resumed[4:] == reference[4:], (resumed, reference)
+    steps = [json.loads(line)["step"] for line in (part_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
 
     # keep-last-N rotation and the exported head
     tags = sorted(p.name for p in (part_dir / "checkpoints").glob("step_*"))
     assert tags == ["step_00000004", "step_00000006"]
+    assert (part_dir / "checkpoints" / "step_00000006" / "rank_state_00000.pt").is_file()
     head = DartDraftModel.from_pretrained(part_dir / "head")
     full_head = DartDraftModel.from_pretrained(tmp_path / "full" / "head")
     for (k, a), (_, b) in zip(head.state_dict().items(), full_head.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
+
+
+def test_resume_applies_changed_optimizer_settings(target, dataset, tmp_path: Path, caplog) -> None:
+    make_trainer(target, dataset, tmp_path, max_steps=2).train()  # checkpoint at step 2, lr 3e-3
+    changed = make_trainer(target, dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
+                           eps=1e-6, warmup_steps=1)
+    with caplog.at_level("WARNING", logger="dart_train.engine"):
+        assert changed.resume()
+    schedule = cosine_with_warmup(total_steps=6, warmup_steps=1)
+    # What AdamW reads at its next step: this run's values, the LR at step 2 of the new schedule.
+    for group in changed.engine.optimizer.param_groups:
+        assert group["lr"] == pytest.approx(1e-3 * schedule(2))
+        assert (group["betas"], group["weight_decay"], group["eps"]) == ((0.8, 0.99), 0.1, 1e-6)
+    assert "resume: optim.lr: 0.003 -> 0.001" in caplog.text
+    assert "optim.betas: (0.9, 0.999) -> (0.8, 0.99)" in caplog.text and "trainer.max_steps: 2 -> 6" in caplog.text
+    changed.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["lr"] for r in rows[2:]] == pytest.approx([1e-3 * schedule(k) for k in range(3, 7)])
+    # Unchanged settings: resuming gives back the checkpoint's own optimiser values.
+    again = make_trainer(target, dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
+                         eps=1e-6, warmup_steps=1)
+    assert again.resume() and again.step == 6
+    assert again.engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * schedule(6))
+
+
+def test_resume_refuses_settings_a_checkpoint_cannot_continue_with(target, dataset, tmp_path: Path) -> None:
+    from dart_train.engine import ResumeError
+
+    make_trainer(target, dataset, tmp_path, max_steps=2).train()
+    with pytest.raises(ResumeError, match=r"resume with trainer.zero_stage=0"):
+        make_trainer(target, dataset, tmp_path, max_steps=4, zero_stage=2).resume()
+    with pytest.raises(ResumeError, match=r"trainer.grad_accum: the checkpoint has 2, this run 1"):
+        make_trainer(target, dataset, tmp_path, max_steps=4, grad_accum=1).resume()
+    assert make_trainer(target, dataset, tmp_path, max_steps=4).resume()  # as saved: fine
 
 
 def test_training_reduces_loss_and_export_has_author_keys(target, dataset, tmp_path: Path) -> None:
@@ -156,24 +198,47 @@ def test_best_checkpoint_follows_tau(target, dataset, tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_00000003"]
 
 
-@pytest.mark.parametrize("stage,bf16", [(2, False), (3, True)])
-def test_zero_stages_train(target, dataset, tmp_path: Path, stage: int, bf16: bool) -> None:
+@pytest.fixture(scope="module")
+def stage0_head(target, dataset, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The head after 3 steps of plain data-parallel training (ZeRO stage 0): the reference."""
+    run = tmp_path_factory.mktemp("stage0")
+    make_trainer(target, dataset, run, max_steps=3, grad_accum=1).train()
+    return DartDraftModel.from_pretrained(run / "head").state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_give_the_weights_of_stage_0(target, dataset, stage0_head, tmp_path: Path, stage: int) -> None:
     from dart_train.evaluate import SimulatedTau
 
-    trainer = make_trainer(target, dataset, tmp_path, max_steps=2, grad_accum=1, zero_stage=stage, bf16=bf16)
+    trainer = make_trainer(target, dataset, tmp_path, max_steps=3, grad_accum=1, zero_stage=stage)
     # The evaluator runs outside the engine's forward: under ZeRO-3 it needs the gathered weights.
     trainer.evaluator = SimulatedTau(
         TokenizedDataset(dataset.sequences[:2]), OnlineStateSource(target, topk=8, hidden_dtype=torch.float32),
         eos_token_id=2, tree={"draft_top_k": 4, "beam_width": 4, "remain_total": 8}, anchors_per_sequence=4,
     )
     trainer.train()
-    curve = losses(tmp_path)
-    assert len(curve) == 2 and all(torch.isfinite(torch.tensor(curve)))
-    best = json.loads((tmp_path / "best" / "best.json").read_text())
-    assert best["step"] == 2 and best["tau"] >= 1.0
-    head = DartDraftModel.from_pretrained(tmp_path / "head")
-    assert head.fc.weight.shape == (32, 3 * 32)
-    assert head.midlayer.mask_rep.abs().sum() > 0
+    assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] == 3
+    initial = make_head(target, dataset).state_dict()
+    trained = DartDraftModel.from_pretrained(tmp_path / "head").state_dict()
+    assert trained.keys() == stage0_head.keys()
+    moved = 0
+    for key, reference in stage0_head.items():
+        torch.testing.assert_close(trained[key], reference, rtol=1e-5, atol=1e-6, msg=key)
+        moved += not torch.equal(reference, initial[key]) if key in initial else 0
+    assert moved >= 5  # the reference did train (fc, mask_rep, norms, attention, lm_head ...)
+
+
+def test_zero3_bf16_trains_close_to_fp32(target, dataset, stage0_head, tmp_path: Path) -> None:
+    """bf16 weights (DeepSpeed's bf16 optimiser with fp32 master weights) under ZeRO-3: each weight's
+    update follows stage 0's fp32 one up to bf16 rounding."""
+    make_trainer(target, dataset, tmp_path, max_steps=3, grad_accum=1, zero_stage=3, bf16=True).train()
+    initial = make_head(target, dataset).state_dict()
+    trained = DartDraftModel.from_pretrained(tmp_path / "head").state_dict()
+    for key in ("fc.weight", "midlayer.mask_rep", "lm_head.weight"):
+        fp32_update = stage0_head[key].float() - initial[key].float()
+        bf16_update = trained[key].float() - initial[key].float()
+        cosine = torch.nn.functional.cosine_similarity(fp32_update.flatten(), bf16_update.flatten(), dim=0)
+        assert cosine > 0.9, (key, float(cosine))
 
 
 def test_bad_settings() -> None:
