@@ -11,7 +11,9 @@ One DART step (dart-method.md §5):
 5. the target cache keeps only the accepted path; the accepted positions are appended to the
    draft's cache with the next step's draft forward.
 
-Both loops are generators of `StepOutput`s and handle batch size 1.
+The tree loop (`tree_steps`) is shared: DART plugs in as `DartDrafter` (steps 1-2), EAGLE-3 as
+`dart_infer.eagle3.Eagle3Drafter` (its dynamic tree); verification, acceptance and keep-path are
+the same code for both. Both loops are generators of `StepOutput`s and handle batch size 1.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import torch
 from dart_infer.model import DraftKVCache
 from dart_infer.sampling import Sampler, greedy_accept, sampling_accept
 from dart_infer.stats import GenerationStats, PhaseTimer, StepOutput
-from dart_infer.tree import TreeSearchSettings, draft_trees, request_context
+from dart_infer.tree import DraftTree, TreeSearchSettings, draft_trees, request_context
 
-__all__ = ["ar_steps", "dart_steps", "stop_cut"]
+__all__ = ["DartDrafter", "ar_steps", "dart_steps", "stop_cut", "tree_steps"]
 
 
 def stop_cut(tokens: Sequence[int], emitted: int, budget: int, eos_token_ids: Sequence[int]) -> tuple[int, bool]:
@@ -77,7 +79,30 @@ class _Run:
             self.stats.timings = dict(self.timer.totals)
 
 
-@torch.no_grad()
+class DartDrafter:
+    """DART's side of `tree_steps`: `update` runs the head's one draft forward over the new prefix
+    positions (its d logit rows), `propose` turns them into a tree with the C++ search."""
+
+    propose_phase = "search"
+
+    def __init__(self, model: Any, settings: TreeSearchSettings) -> None:
+        self.draft, self.trie, self.eos_token_ids = model.draft_model, model.trie, model.eos_token_ids
+        self.settings = settings
+        self.cache = DraftKVCache()
+        self.context = request_context(settings)  # this request's context n-grams (None: off)
+        self.logits: torch.Tensor | None = None
+
+    def update(self, aux_hidden_new: torch.Tensor, next_ids_new: torch.Tensor) -> None:
+        self.logits = self.draft.draft_step(aux_hidden_new, next_ids_new, self.cache)
+
+    def propose(self, history: torch.Tensor) -> DraftTree:
+        assert self.logits is not None, "update() first"
+        return draft_trees(
+            self.logits[None], self.draft, [history], trie=self.trie, settings=self.settings,
+            eos_token_ids=self.eos_token_ids, contexts=[self.context],
+        )[0]
+
+
 def dart_steps(
     model: Any,
     prompt: torch.Tensor,
@@ -88,7 +113,24 @@ def dart_steps(
 ) -> Iterator[StepOutput]:
     """DART decoding of `prompt` (1-D) with a `DartModel`'s target, head, trie and EOS set;
     the statistics land in `model.last_stats`."""
-    target, draft = model.target, model.draft_model
+    return tree_steps(model, prompt, budget, sampler, DartDrafter(model, settings), profile)
+
+
+@torch.no_grad()
+def tree_steps(
+    model: Any,
+    prompt: torch.Tensor,
+    budget: int,
+    sampler: Sampler,
+    drafter: Any,
+    profile: bool,
+) -> Iterator[StepOutput]:
+    """Draft-tree decoding of `prompt` (1-D): prefill, then per step the drafter's tree, ONE
+    verification, acceptance and keep-path. `drafter` (`DartDrafter`, `dart_infer.eagle3.Eagle3Drafter`)
+    has `update(aux_new [1,n,3H], next_ids_new [1,n])` for accepted prefix positions and
+    `propose(history) -> DraftTree` (history: CPU tokens so far, ending with the root), timed as
+    its `propose_phase`."""
+    target = model.target
     device = target.device
     timer = PhaseTimer(profile, device)
     run = _Run(model, prompt, timer, budget)
@@ -97,7 +139,6 @@ def dart_steps(
     history = torch.empty(n + budget, dtype=torch.long)
     history[:n] = prompt
     length = n
-    context = request_context(settings)  # this request's context n-grams (None: off); draft_trees syncs it
     with run.timed():
         with timer("prefill"):
             aux, last_logits, cache = target.prefill(prompt[None].to(device))
@@ -108,15 +149,11 @@ def dart_steps(
         yield run.done(out)
         if out.finished:
             return
-        draft_cache = DraftKVCache()
         with timer("draft"):
-            draft_logits = draft.draft_step(aux, history[1:length][None].to(device), draft_cache)
+            drafter.update(aux, history[1:length][None].to(device))
         while True:
-            with timer("search"):
-                tree = draft_trees(
-                    draft_logits[None], draft, [history[:length]], trie=model.trie, settings=settings,
-                    eos_token_ids=model.eos_token_ids, contexts=[context],
-                )[0]
+            with timer(drafter.propose_phase):
+                tree = drafter.propose(history[:length])
             past = cache.get_seq_length()
             with timer("verify"):
                 tree_aux, tree_logits = target.verify(tree.tokens, tree.positions, tree.mask, cache)
@@ -136,9 +173,7 @@ def dart_steps(
             with timer("draft"):
                 # Accepted positions (root + accepted nodes) paired with their next tokens.
                 node_index = nodes.to(tree_aux.device)
-                draft_logits = draft.draft_step(
-                    tree_aux[node_index][None], torch.tensor(new_tokens, device=device)[None], draft_cache
-                )
+                drafter.update(tree_aux[node_index][None], torch.tensor(new_tokens, device=device)[None])
 
 
 @torch.no_grad()

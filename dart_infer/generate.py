@@ -142,6 +142,9 @@ class DartModel(nn.Module):
             TreeSearchSettings().with_overrides(spec)  # unknown names and bad values fail now
         self._tree_spec = spec
 
+    # The head's loader (`Eagle3Model` loads an EAGLE-3 head through the same from_pretrained).
+    _load_head = staticmethod(load_draft_model)
+
     def _attach_embedding(self) -> None:
         # Weights first take the layout their matmuls run fastest in on this device (see
         # `use_fast_matmul_layout`; `generate()` on the base model gets it too), then the head shares
@@ -185,7 +188,7 @@ class DartModel(nn.Module):
         kwargs.setdefault("attn_implementation", "sdpa")
         base_model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(base_path)
-        draft = load_draft_model(dart_model_name_or_path)
+        draft = cls._load_head(dart_model_name_or_path)
         weight = base_model.get_input_embeddings().weight
         draft = cast_parameters(draft.to(device=weight.device), weight.dtype)
         trie = None
@@ -210,7 +213,7 @@ class DartModel(nn.Module):
         base = cast_parameters(copy.deepcopy(self.base_model), dtype)
         base.config.dtype = dtype
         draft = cast_parameters(copy.deepcopy(self.draft_model, memo), dtype)
-        copied = DartModel(base, draft, self.tokenizer, self.trie, tree=self._tree_spec, profile=self.profile)
+        copied = type(self)(base, draft, self.tokenizer, self.trie, tree=self._tree_spec, profile=self.profile)
         return copied.train(self.training)
 
     # ------------------------------------------------------------------------------ plumbing
