@@ -544,6 +544,8 @@ def fit_tree(
         rate = sum(s.new_tokens for s in dart) / sum(s.wall_time for s in dart)
         speedup = rate / (sum(s.new_tokens for s in ar) / sum(s.wall_time for s in ar))
         tau = sum(sum(s.emitted) for s in dart) / sum(s.steps for s in dart)
-        results.append({**setting, "tau": tau, "tokens_per_second": rate, "speedup_vs_ar": speedup})
+        nodes = sum(sum(s.tree_sizes) for s in dart) / max(1, sum(len(s.tree_sizes) for s in dart))
+        results.append({**setting, "tau": tau, "tree_nodes": nodes, "tokens_per_second": rate,
+                        "speedup_vs_ar": speedup})
         log.info("tree %s: τ %.2f, %.1f tok/s, %.2f× AR", setting, tau, rate, speedup)
     return sorted(results, key=lambda r: r["speedup_vs_ar"], reverse=True)

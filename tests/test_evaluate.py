@@ -99,14 +99,25 @@ def test_every_method_on_two_turns(tiny_dart, tmp_path: Path) -> None:
         assert paths[key].read_bytes()[:4] == b"\x89PNG"
 
 
-def test_fit_tree_ranks_settings_by_measured_speedup(tiny_dart) -> None:
+def test_fit_tree_measures_each_setting(tiny_dart) -> None:
+    """Each row is that tree's own measurement (its τ and verified nodes equal DART's with that tree;
+    the trees differ in nodes, so a fit that ignored the setting fails), ranked by measured speedup."""
     model, _ = tiny_dart
-    prompts = [chat_prompt(model.tokenizer, c.messages[:1]) for c in load_conversations("humaneval", limit=1)]
-    grid = [{"draft_top_k": 4, "beam_width": 2, "remain_total": 2}, {"draft_top_k": 8, "beam_width": 4, "remain_total": 8}]
-    results = fit_tree(model, prompts, grid, max_new_tokens=8)
-    assert len(results) == 2
-    assert results[0]["speedup_vs_ar"] >= results[1]["speedup_vs_ar"]
-    assert all(r["tau"] >= 1.0 for r in results)
+    prompts = [chat_prompt(model.tokenizer, c.messages[:1]) for c in load_conversations("mtbench", limit=2)]
+    grid = [{"draft_top_k": 2, "beam_width": 1, "remain_total": 1},
+            {"draft_top_k": 8, "beam_width": 4, "remain_total": 8}]
+    results = fit_tree(model, prompts, grid, max_new_tokens=16)
+    assert sorted((r["draft_top_k"], r["beam_width"], r["remain_total"]) for r in results) == [(2, 1, 1), (8, 4, 8)]
+    for row in results:
+        setting = {k: row[k] for k in grid[0]}
+        stats = [model.dart_generate(ids, max_new_token_num=16, tree=setting, return_stats=True)[1] for ids in prompts]
+        assert row["tau"] == pytest.approx(sum(sum(s.emitted) for s in stats) / sum(s.steps for s in stats))
+        nodes = [n for s in stats for n in s.tree_sizes]
+        assert row["tree_nodes"] == pytest.approx(sum(nodes) / len(nodes))
+        assert row["tokens_per_second"] > 0 and row["speedup_vs_ar"] > 0
+    # The two trees verify different numbers of nodes: a fit that ignored the setting would fail above.
+    assert len({round(r["tree_nodes"], 6) for r in results}) == 2
+    assert [r["speedup_vs_ar"] for r in results] == sorted((r["speedup_vs_ar"] for r in results), reverse=True)
 
 
 def test_bad_settings_fail_before_any_work(tiny_dart) -> None:
