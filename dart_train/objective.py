@@ -242,8 +242,11 @@ def draft_forward(
     aux_hidden [B,T,3Ht] are the target's aux hidden states on `input_ids` [B,T]. Clean slot t gets
     (aux_hidden[t], x_{t+1}); the last position has no next token and takes x_{T-1} as a stand-in
     (no row ever reads it: row validity needs x_{t+2}). use_flex: BlockMask + flex_attention
-    (default: on CUDA), else the dense SDPA mask.
+    (default: on CUDA), else the dense SDPA mask. An EAGLE-3 head gives the same rows from its
+    training-time test (`dart_train.eagle3_objective.ttt_forward`; `use_flex` does not apply).
     """
+    from dart_infer.eagle3 import Eagle3DraftModel
+
     batch, seq_len = input_ids.shape
     if aux_hidden.shape[:2] != (batch, seq_len):
         raise ValueError(
@@ -251,6 +254,10 @@ def draft_forward(
         )
     if layout.seq_len != seq_len:
         raise ValueError(f"layout built for T={layout.seq_len}, batch has T={seq_len}")
+    if isinstance(draft_model, Eagle3DraftModel):  # the same rows from EAGLE-3's sequential steps
+        from dart_train.eagle3_objective import ttt_forward
+
+        return ttt_forward(draft_model, aux_hidden, input_ids, layout)
     d, num_anchors = layout.draft_length, layout.num_anchors
     next_ids = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
     res_clean, attn_clean = draft_model.prefix_inputs(aux_hidden, next_ids)
