@@ -96,6 +96,15 @@ class Eagle3DraftConfig(LlamaConfig):
         if ids is not None and len(ids) != 3:
             raise ValueError(f"eagle_aux_hidden_state_layer_ids must name 3 target layers, got {ids}")
 
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        # save_pretrained writes the class name; loaders dispatch on the published architecture name.
+        out["architectures"] = [EAGLE3_ARCHITECTURE]
+        rope = self.rope_parameters or {}
+        if "rope_theta" in rope:  # loaders written for transformers 4.x read the legacy top-level field
+            out.setdefault("rope_theta", rope["rope_theta"])
+        return out
+
     @property
     def aux_layer_ids(self) -> list[int] | None:
         return self.eagle_aux_hidden_state_layer_ids
