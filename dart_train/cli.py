@@ -101,15 +101,29 @@ def states_target_dtype(cfg: DictConfig) -> torch.dtype:
     return _dtype(name) or loaded
 
 
+def is_eagle3(cfg: DictConfig) -> bool:
+    """`draft=eagle3`: train an EAGLE-3 head (configs/draft/eagle3.yaml) instead of a DART one."""
+    return str(cfg.draft.get("method", "dart")) == "eagle3"
+
+
+def loss_gamma(cfg: DictConfig) -> float:
+    """The per-position (DART) / per-step (EAGLE-3) loss weight base: `draft.gamma` when the draft
+    group sets one (EAGLE-3: 0.8), else `optim.gamma` (DART: 0.6)."""
+    gamma = cfg.draft.get("gamma")
+    return float(gamma if gamma is not None else cfg.optim.gamma)
+
+
 def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any, embedding: torch.Tensor | None = None) -> Any:
     """A random head shaped from the target's config (or `draft.init_from`), checked against it.
     `embedding`: the target's input embedding as served (default: the target's own weight)."""
+    from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, load_eagle3_model
     from dart_infer.loading import check_head_matches_target, load_draft_model
     from dart_infer.model import DartDraftConfig, DartDraftModel
 
     draft_cfg = cfg.draft
+    eagle3 = is_eagle3(cfg)
     if draft_cfg.init_from:
-        head = load_draft_model(str(draft_cfg.init_from), dtype=torch.float32)
+        head = (load_eagle3_model if eagle3 else load_draft_model)(str(draft_cfg.init_from), dtype=torch.float32)
     else:
         vocab = target.vocab_size
         draft_vocab = draft_cfg.draft_vocab_size or vocab
@@ -118,14 +132,22 @@ def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any, embedding: t
                 f"draft.draft_vocab_size={draft_vocab} does not fit the target: it must be in 1..{vocab} "
                 "(the target's vocabulary size)"
             )
-        if int(draft_cfg.draft_length) < 1:
-            raise ValueError(f"draft.draft_length must be >= 1, got {draft_cfg.draft_length}")
-        config = DartDraftConfig.from_target_config(
-            target.model.config, draft_length=int(draft_cfg.draft_length), draft_vocab_size=int(draft_vocab)
-        )
-        config.aux_layer_ids = list(target.aux_layer_ids)
+        length_key = "ttt_length" if eagle3 else "draft_length"
+        steps = int(draft_cfg[length_key])
+        if steps < 1:
+            raise ValueError(f"draft.{length_key} must be >= 1, got {steps}")
+        if eagle3:
+            config: Any = Eagle3DraftConfig.from_target_config(
+                target.model.config, draft_vocab_size=int(draft_vocab), ttt_length=steps
+            )
+            config.eagle_aux_hidden_state_layer_ids = list(target.aux_layer_ids)
+        else:
+            config = DartDraftConfig.from_target_config(
+                target.model.config, draft_length=steps, draft_vocab_size=int(draft_vocab)
+            )
+            config.aux_layer_ids = list(target.aux_layer_ids)
         torch.manual_seed(int(cfg.seed))
-        head = DartDraftModel(config).float()
+        head = (Eagle3DraftModel if eagle3 else DartDraftModel)(config).float()
         head.set_vocab_mapping(vocab_mapping_fn(int(draft_vocab)))
         if draft_cfg.get("init_output_from_target", False):
             init_output_from_target(head, target.model)
@@ -183,7 +205,7 @@ def _load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
 def _state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> Any:
     from dart_train.online_states import OnlineStateSource
     from dart_train.state_cache_reader import OfflineStateSource
-    from dart_train.state_cache_writer import precompute_states
+    from dart_train.state_cache_writer import cache_header, keyed_cache_dir, precompute_states
 
     states = cfg.states
     topk = states.topk
@@ -197,10 +219,15 @@ def _state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> 
             compile=bool(states.get("compile", False)),
         )
     if states.mode == "offline":
-        cache = Path(states.cache_dir) if states.cache_dir else run_dir / "states"
+        root = Path(states.cache_dir) if states.cache_dir else run_dir / "states"
+        autocast = _autocast_dtype(states.autocast_dtype)
+        # One cache per target, data and settings under the root: a change makes a new one, keeps the old.
+        cache = keyed_cache_dir(root, cache_header(target, dataset, topk=int(topk), shard_size=int(states.shard_size),
+                                                   autocast_dtype=autocast))
+        log.info("offline states: %s", cache)
         precompute_states(  # resumable: only missing shards are computed
             target, dataset, cache, topk=int(topk), shard_size=int(states.shard_size),
-            max_tokens=int(states.max_tokens), autocast_dtype=_autocast_dtype(states.autocast_dtype),
+            max_tokens=int(states.max_tokens), autocast_dtype=autocast,
             progress=bool(cfg.logging.progress),
         )
         return OfflineStateSource(cache, dataset, verify=bool(states.get("verify", True)))
@@ -231,28 +258,50 @@ def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConf
         tree=OmegaConf.to_container(ev.tree, resolve=True),
         anchors_per_sequence=int(ev.anchors_per_sequence),
         reference=str(ev.reference),
-        gamma=float(train_cfg.optim.gamma),
+        gamma=loss_gamma(train_cfg),
+        eagle3_tree=OmegaConf.to_container(cfg.draft.tree, resolve=True) if is_eagle3(cfg) else None,
     )
 
 
 def _regenerate(cfg: DictConfig, target: Any, tokenizer: Any, conversations: list[Any]) -> list[Any]:
-    """Self-distillation: the target answers every prompt (resumable JSONL), then train on that."""
+    """Self-distillation: the target answers every prompt (resumable JSONL), then train on that.
+    Conversations come back in the input's order, whatever order (or ranks) wrote them."""
     from dart_infer.conversations import load_conversations
     from dart_train.regenerate import regenerate
 
-    regen = cfg.preprocess.regenerate
+    output = regenerate_output(cfg)
     stats = regenerate(
-        target.model, tokenizer, conversations, str(regen.output),
-        max_new_tokens=int(regen.max_new_tokens), batch_size=int(regen.batch_size),
-        temperature=float(regen.temperature), top_p=float(regen.top_p), seed=int(regen.seed),
-        max_prompt_tokens=int(regen.max_prompt_tokens) if regen.max_prompt_tokens else None,
-        keep_truncated=bool(regen.keep_truncated),
-        max_turns=int(regen.max_turns) if regen.get("max_turns") else None,
-        template_kwargs=_template_kwargs(cfg), model_name=str(cfg.model.name_or_path),
+        target.model, tokenizer, conversations, output, **_regenerate_options(cfg),
+        model_name=str(cfg.model.name_or_path),
     )
-    log.info("regenerated: %s", stats)
-    wanted = {str(c.id) for c in conversations}
-    return [c for c in load_conversations(str(regen.output)) if str(c.id) in wanted]
+    log.info("regenerated into %s: %s", output, stats)
+    by_id = {str(c.id): c for c in load_conversations(str(output))}
+    return [by_id[str(c.id)] for c in conversations if str(c.id) in by_id]
+
+
+def _regenerate_options(cfg: DictConfig) -> dict[str, Any]:
+    regen = cfg.preprocess.regenerate
+    return {
+        "max_new_tokens": int(regen.max_new_tokens), "batch_size": int(regen.batch_size),
+        "temperature": float(regen.temperature), "top_p": float(regen.top_p), "seed": int(regen.seed),
+        "max_prompt_tokens": int(regen.max_prompt_tokens) if regen.max_prompt_tokens else None,
+        "keep_truncated": bool(regen.keep_truncated),
+        "max_turns": int(regen.max_turns) if regen.get("max_turns") else None,
+        "template_kwargs": _template_kwargs(cfg),
+    }
+
+
+def regenerate_output(cfg: DictConfig) -> Path:
+    """`preprocess.regenerate.output`, or (null) one file per model and generation settings:
+    `<output_root>/regenerated/<model>/<key>.jsonl`, so changed settings never reuse old answers."""
+    from dart_train.regenerate import generation_settings, regeneration_key
+
+    regen = cfg.preprocess.regenerate
+    if regen.output:
+        return Path(str(regen.output))
+    name = str(cfg.model.name_or_path)
+    key = regeneration_key(generation_settings(name, **_regenerate_options(cfg)))
+    return Path(str(cfg.output_root)) / "regenerated" / name.strip("/").replace("/", "--") / f"{key}.jsonl"
 
 
 def _template_kwargs(cfg: DictConfig) -> dict[str, Any] | None:
@@ -268,7 +317,7 @@ def settings_from_config(cfg: DictConfig) -> Any:
         lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps), weight_decay=float(o.weight_decay),
         warmup_ratio=float(o.warmup_ratio),
         warmup_steps=int(o.warmup_steps) if o.warmup_steps is not None else None,
-        min_lr_ratio=float(o.min_lr_ratio), grad_clip=float(o.grad_clip), gamma=float(o.gamma),
+        min_lr_ratio=float(o.min_lr_ratio), grad_clip=float(o.grad_clip), gamma=loss_gamma(cfg),
         epochs=int(o.epochs), max_steps=int(t.max_steps) if t.max_steps is not None else None,
         grad_accum=int(t.grad_accum), zero_stage=int(t.zero_stage), bf16=bool(t.bf16),
         autocast_dtype=_draft_autocast(t.get("autocast")),
@@ -280,7 +329,25 @@ def settings_from_config(cfg: DictConfig) -> Any:
     )
 
 
-def _wandb(cfg: DictConfig, run_dir: Path) -> Any:
+def wandb_init_kwargs(cfg: DictConfig, run_dir: Path, resume_step: int = 0) -> dict[str, Any]:
+    """`wandb.init` arguments. A resumed run logs into a new wandb run `<id>-from<step>` of the same group:
+    wandb ignores steps at or below a run's last one, and a killed run logged past its checkpoint
+    (its rewind/fork are server previews), so each segment's steps stay monotonic and none is dropped."""
+    w = cfg.logging.wandb
+    base = run_dir.name.replace("/", "_")
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if resume_step:
+        config = {**config, "resumed_from_step": resume_step}
+    return {
+        "project": str(w.project), "name": w.name or run_dir.name, "dir": str(run_dir),
+        # null → $WANDB_MODE (the dart CLIs default it to offline); an explicit mode wins.
+        "mode": str(w.mode) if w.mode else os.environ.get("WANDB_MODE", "offline"),
+        "config": config, "group": base, "resume": "allow",
+        "id": f"{base}-from{resume_step:08d}" if resume_step else base,
+    }
+
+
+def _wandb(cfg: DictConfig, run_dir: Path, resume_step: int = 0) -> Any:
     w = cfg.logging.wandb
     if not w.enabled:
         return None
@@ -289,12 +356,10 @@ def _wandb(cfg: DictConfig, run_dir: Path) -> Any:
     except ImportError:
         log.warning("wandb is not installed (pip install 'dart-spec[wandb]'): logging to metrics.jsonl only")
         return None
-    return wandb.init(
-        project=str(w.project), name=w.name or run_dir.name, dir=str(run_dir),
-        # null → $WANDB_MODE (the dart CLIs default it to offline); an explicit mode wins.
-        mode=str(w.mode) if w.mode else os.environ.get("WANDB_MODE", "offline"),
-        config=OmegaConf.to_container(cfg, resolve=True), resume="allow", id=run_dir.name.replace("/", "_"),
-    )
+    kwargs = wandb_init_kwargs(cfg, run_dir, resume_step)
+    if resume_step:
+        log.info("wandb: resumed at step %d, logging to run %s (group %s)", resume_step, kwargs["id"], kwargs["group"])
+    return wandb.init(**kwargs)
 
 
 _ALWAYS_NEW = ("resume", "output_dir")
@@ -375,9 +440,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if regen.enabled:
         conversations = _regenerate(cfg, target, tokenizer, conversations)
         if regen.get("stop_after"):
-            print(f"# dart-train: regenerated data in {regen.output}; stopping (preprocess.regenerate.stop_after)",
+            print(f"# dart-train: regenerated data in {regenerate_output(cfg)}; stopping "
+                  "(preprocess.regenerate.stop_after)",
                   flush=True)
-            return {"regenerated": str(regen.output), "conversations": len(conversations)}
+            return {"regenerated": str(regenerate_output(cfg)), "conversations": len(conversations)}
     cache_dir = cfg.preprocess.get("cache_dir")
     dataset = build_dataset(
         conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=_template_kwargs(cfg),
@@ -413,10 +479,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     loader = ResumableLoader(dataset, sampler, pad_token_id=int(pad))
     source = _state_source(cfg, target, dataset, run_dir)
     evaluator = _evaluator(cfg, target, tokenizer, cfg)
-    wandb_run = _wandb(cfg, run_dir) if rank == 0 else None
-    trainer = DartTrainer(head, source, loader, settings, run_dir, evaluator=evaluator, wandb_run=wandb_run)
+    trainer = DartTrainer(head, source, loader, settings, run_dir, evaluator=evaluator)
     if resuming and not trainer.resume():
         log.warning("resume=true but %s holds no checkpoint yet: starting from step 0", run_dir)
+    # After resume: the wandb run a resumed segment logs into depends on the checkpoint's step.
+    wandb_run = _wandb(cfg, run_dir, trainer.step) if rank == 0 else None
+    trainer.wandb_run = wandb_run
     summary = trainer.train()
     if wandb_run is not None:
         wandb_run.finish()

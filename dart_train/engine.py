@@ -313,7 +313,7 @@ class DartTrainer:
 
             use_compiled_flex_attention()
         module = _ObjectiveModule(draft_model, settings.gamma, use_flex)
-        if settings.zero_stage == 3:
+        if settings.zero_stage == 3 and hasattr(draft_model.midlayer, "mask_rep"):  # (EAGLE-3 has none)
             # mask_rep is read directly (not through a submodule's forward): gather it with the wrapper.
             deepspeed.zero.register_external_parameter(module, draft_model.midlayer.mask_rep)
         self.ds_config = self._deepspeed_config()

@@ -7,7 +7,17 @@ API:
   Writes one JSON line per conversation to `out_path` (OpenAI-messages rows
   `{"id", "messages": [{"role", "content"}], "source", "meta"}`), which
   `dart_infer.conversations.load_conversations(out_path)` reads back. Resumable: ids already in the
-  file are skipped, and a last line cut by a kill is dropped before appending.
+  file are skipped, and a last line cut by a kill is dropped before appending. Every row records the
+  settings that shaped it (`meta["generation"]`: model, sampling, limits, batching, template options);
+  a file holding rows made with other settings is refused rather than reused (`regeneration_key`
+  names a file per setting: the CLI's default output). Keys a row does not record (rows written
+  before they were recorded) are not compared.
+- `generation_settings(model_name, **options) -> dict` (what a row records) and
+  `regeneration_key(settings) -> str` (its short hash).
+
+Several ranks (torch.distributed initialised): rank r answers every world_size-th conversation still
+to do into `<out>.part-<r>`, then rank 0 appends the parts' rows to `out` (each id once) and removes
+them; a killed run's parts count as done on resume.
 
 Rule: the new conversation keeps the original's system and user messages in order; after every
 user message the target answers (its chat template with the generation prompt, exactly as served),
@@ -57,8 +67,36 @@ class RegenerateStats:
     generated_tokens: int = 0
 
 
-def _done_ids(path: Path) -> set[str]:
-    """Ids already written; a last line cut off by a kill is removed from the file."""
+def generation_settings(
+    model_name: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int, max_turns: int | None,
+    max_prompt_tokens: int | None, keep_truncated: bool, batch_size: int, template_kwargs: Mapping | None,
+) -> dict[str, Any]:
+    """Everything that shapes a regenerated row. The batch size only when sampling (a batch's seed comes
+    from its first conversation); greedy answers do not depend on it beyond padding numerics."""
+    return {"model": model_name, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+            "seed": seed, "max_turns": max_turns, "max_prompt_tokens": max_prompt_tokens,
+            "keep_truncated": keep_truncated, "batch_size": batch_size if temperature > 0 else None,
+            "template_kwargs": dict(template_kwargs or {})}
+
+
+def regeneration_key(settings: Mapping[str, Any]) -> str:
+    """Short hash of the settings that shape regenerated rows (a file per key keeps old answers)."""
+    return hashlib.sha256(json.dumps(dict(settings), sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _check_generation(path: Path, row: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
+    saved = (row.get("meta") or {}).get("generation") or {}
+    different = {k: (saved[k], v) for k, v in settings.items() if k in saved and saved[k] != v}
+    if different:
+        raise ValueError(
+            f"{path} holds answers generated with other settings {different} (saved, now): they are not reused. "
+            "Write to another output (the CLI's default, preprocess.regenerate.output=null, is one file per "
+            "setting) or delete that file."
+        )
+
+
+def _done_ids(path: Path, settings: Mapping[str, Any] | None = None, repair: bool = True) -> set[str]:
+    """Ids already written (made with `settings`); a last line cut off by a kill is removed (`repair`)."""
     if not path.exists():
         return set()
     done: set[str] = set()
@@ -73,14 +111,17 @@ def _done_ids(path: Path) -> set[str]:
         line = data[position:newline]
         if line.strip():
             try:
-                done.add(str(json.loads(line)["id"]))
+                row = json.loads(line)
+                done.add(str(row["id"]))
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(
                     f"{path} line at byte {position} is not a regenerated conversation; refusing to append to it"
                 ) from None
+            if settings is not None:
+                _check_generation(path, row, settings)
         position = newline + 1
         good_end = position
-    if good_end < len(data):
+    if good_end < len(data) and repair:
         log.warning("%s: dropping an incomplete last line (interrupted run)", path)
         with open(path, "r+b") as f:
             f.truncate(good_end)
@@ -139,9 +180,22 @@ def regenerate(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if max_turns is not None and max_turns < 1:
         raise ValueError(f"max_turns must be >= 1 or None, got {max_turns}")
+    from dart_train.dist import rank_and_world_size
+
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_ids(out)
+    rank, world = rank_and_world_size()
+    part = out.with_name(f"{out.name}.part-{rank}") if world > 1 else out
+    generation = generation_settings(
+        model_name or getattr(model.config, "_name_or_path", ""), max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, seed=seed, max_turns=max_turns, max_prompt_tokens=max_prompt_tokens,
+        keep_truncated=keep_truncated, batch_size=batch_size, template_kwargs=template_kwargs,
+    )
+    done = _done_ids(out, generation, repair=rank == 0)
+    for other in sorted(out.parent.glob(f"{out.name}.part-*")):  # a killed multi-rank run's parts
+        done |= _done_ids(other, generation, repair=other == part)
+    if world > 1:
+        torch.distributed.barrier()  # every rank has read the same files before any writes
     eos = list(eos_token_ids(model, tokenizer))  # the same EOS set serving stops at
     if not eos:
         raise ValueError("neither the model's generation config nor the tokenizer defines an EOS token")
@@ -149,8 +203,6 @@ def regenerate(
     kwargs = dict(template_kwargs or {})
     stats = RegenerateStats()
     device = next(model.parameters()).device
-    generation = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                  "max_turns": max_turns}
 
     todo: list[Any] = []
     for conversation in conversations:
@@ -169,10 +221,11 @@ def regenerate(
         for c in sorted(todo[start : start + window], key=lambda c: len(next(
             m["content"] for m in c.messages if m["role"] == "user")))
     ]
+    todo = todo[rank::world]  # the same list on every rank (read before the barrier)
     turn_limit = max_turns if max_turns is not None else float("inf")
 
     model.eval()
-    with open(out, "a", encoding="utf-8") as sink:
+    with open(part, "a", encoding="utf-8") as sink:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             states = [
@@ -241,7 +294,7 @@ def regenerate(
                     "source": f"regenerated:{getattr(conversation, 'source', '')}",
                     "meta": {
                         **dict(getattr(conversation, "meta", {}) or {}),
-                        "regenerated_by": model_name or getattr(model.config, "_name_or_path", ""),
+                        "regenerated_by": generation["model"],
                         "generation": generation,
                         "truncated_answers": state.truncated,
                         "stopped_early": state.stopped,
@@ -253,4 +306,27 @@ def regenerate(
             sink.flush()
             os.fsync(sink.fileno())
             log.info("regenerate: %d/%d conversations written", stats.written, len(todo))
+    if world > 1:
+        torch.distributed.barrier()
+        if rank == 0:
+            _merge_parts(out)
+        torch.distributed.barrier()
     return stats
+
+
+def _merge_parts(out: Path) -> None:
+    """Append the rows of `<out>.part-*` that `out` lacks (each id once), then remove the parts."""
+    done = _done_ids(out)
+    parts = sorted(out.parent.glob(f"{out.name}.part-*"))
+    with open(out, "a", encoding="utf-8") as sink:
+        for path in parts:
+            for line in path.read_text(encoding="utf-8").splitlines():
+                row = json.loads(line) if line.strip() else None
+                if row is None or str(row["id"]) in done:
+                    continue
+                done.add(str(row["id"]))
+                sink.write(line + "\n")
+        sink.flush()
+        os.fsync(sink.fileno())
+    for path in parts:
+        path.unlink()

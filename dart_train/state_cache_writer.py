@@ -1,5 +1,7 @@
 """Offline target states, written: the target runs once over the dataset into the sharded cache.
 
+- `cache_header(target, dataset, ...)` / `keyed_cache_dir(root, header)`: what a cache depends on,
+  and the directory under `root` for it (the CLI's `states.cache_dir` is such a root).
 - `precompute_states(target, dataset, out_dir, *, topk=64, shard_size=64, max_tokens=8192, ...)`:
   runs the target once over a `dart_train.dataset.TokenizedDataset` and writes sharded safetensors +
   `manifest.json` (layout: `dart_train.state_cache`). Call again on the same directory to resume.
@@ -50,6 +52,38 @@ def target_fingerprint(target: Any) -> str:
             p = parameter.detach().double()
             digest.update(f"{name}:{tuple(p.shape)}:{float(p.sum()):.9e}:{float(p.abs().sum()):.9e}".encode())
     return digest.hexdigest()[:32]
+
+
+def cache_header(
+    target: Any, dataset: Any, *, topk: int, shard_size: int, autocast_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """The manifest header: everything the cached states depend on (target weights, data, settings)."""
+    lengths = [int(n) for n in dataset.lengths]
+    return {
+        "format": CACHE_FORMAT,
+        "target": target_fingerprint(target),
+        "dataset": dataset.fingerprint(),
+        "num_sequences": len(lengths),
+        "num_tokens": sum(lengths),
+        "shard_size": shard_size,
+        "topk": topk,
+        "hidden_size": 3 * int(target.hidden_size),
+        "vocab_size": int(target.vocab_size),
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "hidden_dtype": "bfloat16",
+        "autocast_dtype": str(autocast_dtype).removeprefix("torch.") if autocast_dtype else None,
+    }
+
+
+def keyed_cache_dir(root: str | os.PathLike[str], header: dict[str, Any]) -> Path:
+    """`root/<hash of header>`: one cache per target, data and settings, so a change makes a new cache
+    and keeps the old. A cache written straight into `root` (the former layout) is used when it
+    matches."""
+    root = Path(root)
+    legacy = _read_manifest(root) if (root / MANIFEST).is_file() else None
+    if legacy is not None and all(legacy.get(k) == v for k, v in header.items()):
+        return root
+    return root / hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _batches_by_tokens(indices: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -114,20 +148,7 @@ def precompute_states(
     lengths = [int(n) for n in dataset.lengths]
     num_sequences = len(lengths)
     hidden = 3 * int(target.hidden_size)
-    header = {
-        "format": CACHE_FORMAT,
-        "target": target_fingerprint(target),
-        "dataset": dataset.fingerprint(),
-        "num_sequences": num_sequences,
-        "num_tokens": sum(lengths),
-        "shard_size": shard_size,
-        "topk": topk,
-        "hidden_size": hidden,
-        "vocab_size": int(target.vocab_size),
-        "aux_layer_ids": list(target.aux_layer_ids),
-        "hidden_dtype": "bfloat16",
-        "autocast_dtype": str(autocast_dtype).removeprefix("torch.") if autocast_dtype else None,
-    }
+    header = cache_header(target, dataset, topk=topk, shard_size=shard_size, autocast_dtype=autocast_dtype)
     manifest = _read_manifest(out)
     if manifest is None:
         # Every writer would produce the same bytes, so concurrent creation is harmless.

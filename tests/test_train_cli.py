@@ -277,3 +277,33 @@ def test_states_target_keeps_float32_rotary_tables(tiny_checkpoint) -> None:
                                          "states.target_dtype=bfloat16"))
     buffers = {name: b.dtype for name, b in target.model.named_buffers() if "inv_freq" in name}
     assert buffers and set(buffers.values()) == {torch.float32}
+
+
+def test_regenerated_data_is_keyed_by_its_settings(tmp_path) -> None:
+    from dart_train.cli import _regenerate_options, regenerate_output
+
+    base = [f"output_root={tmp_path}"]
+    default = regenerate_output(_compose(*base))
+    assert default.parent == tmp_path / "regenerated" / "smollm2-135m-instruct" and default.suffix == ".jsonl"
+    assert regenerate_output(_compose(*base)) == default  # the same settings: the same file (resumable)
+    changed = {regenerate_output(_compose(*base, f"preprocess.regenerate.{key}"))
+               for key in ("temperature=0.7", "max_new_tokens=64", "top_p=0.9", "seed=1", "max_turns=1",
+                           "keep_truncated=false", "max_prompt_tokens=100")}
+    changed.add(regenerate_output(_compose(*base, "model=custom", "model.name_or_path=org/other")))
+    changed.add(regenerate_output(_compose(*base, "preprocess=qwen3-nothink")))  # template options
+    assert len(changed) == 9 and default not in changed
+    assert regenerate_output(_compose(*base, "preprocess.regenerate.output=/x/y.jsonl")) == Path("/x/y.jsonl")
+    # keep_truncated reaches dart_train.regenerate (its effect: tests/test_regenerate.py).
+    assert _regenerate_options(_compose("preprocess.regenerate.keep_truncated=false"))["keep_truncated"] is False
+    assert _regenerate_options(_compose())["keep_truncated"] is True
+
+
+def test_resumed_runs_log_to_a_new_wandb_segment(tmp_path) -> None:
+    from dart_train.cli import wandb_init_kwargs
+
+    cfg = _compose("logging.wandb.mode=offline")
+    first = wandb_init_kwargs(cfg, tmp_path / "my-run")
+    assert (first["id"], first["group"], first["mode"]) == ("my-run", "my-run", "offline")
+    resumed = wandb_init_kwargs(cfg, tmp_path / "my-run", resume_step=200)
+    assert (resumed["id"], resumed["group"]) == ("my-run-from00000200", "my-run")
+    assert resumed["config"]["resumed_from_step"] == 200

@@ -289,3 +289,26 @@ def test_compiled_target_gives_the_states_of_the_eager_one(target, dataset):
         a, b = eager(batch), compiled(batch)
         torch.testing.assert_close(b["aux_hidden"], a["aux_hidden"], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(b["target_topk_logprobs"], a["target_topk_logprobs"], rtol=1e-4, atol=1e-4)
+
+
+def test_cache_dir_is_keyed_by_everything_that_shapes_it(target, dataset, tmp_path):
+    from dart_train.state_cache_writer import cache_header, keyed_cache_dir
+
+    root = tmp_path / "root"
+    first = keyed_cache_dir(root, cache_header(target, dataset, topk=TOPK, shard_size=2))
+    precompute_states(target, dataset, first, topk=TOPK, shard_size=2, max_tokens=64)
+    assert first.parent == root
+    assert keyed_cache_dir(root, cache_header(target, dataset, topk=TOPK, shard_size=2)) == first
+    # Other data, other k: another cache next to the first one, which stays as it is.
+    fewer = TokenizedDataset(dataset.sequences[:-1])
+    others = {keyed_cache_dir(root, cache_header(target, fewer, topk=TOPK, shard_size=2)),
+              keyed_cache_dir(root, cache_header(target, dataset, topk=TOPK + 1, shard_size=2))}
+    assert len(others) == 2 and first not in others
+    second = others.pop()
+    assert OfflineStateSource(first, dataset).manifest["complete"] and not second.exists()
+    # A cache written straight into a root (the former layout) is still found when it matches.
+    precompute_states(target, dataset, tmp_path / "legacy", topk=TOPK, shard_size=2, max_tokens=64)
+    assert keyed_cache_dir(tmp_path / "legacy", cache_header(target, dataset, topk=TOPK, shard_size=2)) == (
+        tmp_path / "legacy")
+    assert keyed_cache_dir(tmp_path / "legacy", cache_header(target, fewer, topk=TOPK, shard_size=2)).parent == (
+        tmp_path / "legacy")
