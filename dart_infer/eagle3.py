@@ -54,6 +54,8 @@ __all__ = [
     "Eagle3Model",
     "Eagle3TreeSettings",
     "TreeDraftCache",
+    "anchor_trees",
+    "chain_logits",
     "default_eagle3_tree",
     "expand_tree",
     "load_eagle3_model",
@@ -423,8 +425,8 @@ class Eagle3Drafter:
         self.last_logits: torch.Tensor | None = None
 
     @torch.no_grad()
-    def update(self, aux_hidden_new: torch.Tensor, next_ids_new: torch.Tensor) -> None:
-        """n new prefix positions [1,n,3Ht] with their next tokens [1,n]."""
+    def update(self, aux_hidden_new: torch.Tensor, next_ids_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """n new prefix positions [1,n,3Ht] with their next tokens [1,n] → their (h, logits) [1,n,·]."""
         n = aux_hidden_new.shape[1]
         cache = self.cache
         cache.discard()
@@ -436,12 +438,37 @@ class Eagle3Drafter:
         )
         cache.commit(n)
         self.last_hidden, self.last_logits = hidden[0, -1], logits[0, -1]
+        return hidden, logits
 
     def propose(self, history: torch.Tensor) -> DraftTree:
         assert self.last_hidden is not None and self.last_logits is not None, "update() first"
         return expand_tree(
             self.model, self.cache, self.last_hidden, self.last_logits, int(history[-1]), self.settings
         )
+
+
+@torch.no_grad()
+def anchor_trees(
+    model: Eagle3DraftModel,
+    aux_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    anchors: Sequence[int],
+    settings: Eagle3TreeSettings,
+) -> list[DraftTree]:
+    """The tree serving builds at each anchor t of one sequence (prefix 0..t verified, root x_{t+1}),
+    for simulated τ: one prefix forward over the sequence [1,T,3Ht] / [1,T], then per anchor the
+    cache cut back to t+1 and `expand_tree`. Anchors run from the last: a tree's staged K/V overwrite
+    only positions after its own prefix. Needs t + 1 < T for every anchor."""
+    if not anchors:
+        return []
+    end = max(anchors) + 1
+    drafter = Eagle3Drafter(model, settings)
+    hidden, logits = drafter.update(aux_hidden[:, :end], input_ids[:, 1 : end + 1])
+    trees: dict[int, DraftTree] = {}
+    for t in sorted(set(anchors), reverse=True):
+        drafter.cache.crop(t + 1)
+        trees[t] = expand_tree(model, drafter.cache, hidden[0, t], logits[0, t], int(input_ids[0, t + 1]), settings)
+    return [trees[t] for t in anchors]
 
 
 def chain_logits(

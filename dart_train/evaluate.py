@@ -68,6 +68,8 @@ class SimulatedTau:
     state source (`dart_train.online_states`; target states are computed once and kept: the target is frozen).
     tree: `dart_infer.tree.TreeSearchSettings` or a mapping of its fields (CPU-sized trees
     by default in the train_eval config). trie: an `ngram_builder.NgramTrie` or None.
+    An EAGLE-3 head (`dart_infer.eagle3`) is scored on its own dynamic tree per anchor
+    (`anchor_trees`, `eagle3_tree`: settings or overrides of the CPU default), not on DART's search.
     eos_token_ids: the target's EOS set as serving resolves it (`dart_infer.loading.eos_token_ids`);
     `eos_token_id` (one id) is the older spelling of the same argument.
     """
@@ -87,7 +89,9 @@ class SimulatedTau:
         reference: str = "data",
         gamma: float = 0.6,
         seed: int = 0,
+        eagle3_tree: Any = None,
     ) -> None:
+        from dart_infer.eagle3 import CPU_EAGLE3_TREE, Eagle3TreeSettings
         from dart_infer.tree import TreeSearchSettings
 
         if eos_token_ids is not None and eos_token_id is not None:
@@ -105,6 +109,10 @@ class SimulatedTau:
         self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
         self.trie = trie
         self.tree = TreeSearchSettings.coerce(tree)
+        # An EAGLE-3 head's dynamic tree (settings or field overrides of the CPU default).
+        self.eagle3_tree = (
+            eagle3_tree if isinstance(eagle3_tree, Eagle3TreeSettings) else CPU_EAGLE3_TREE.with_overrides(eagle3_tree)
+        )
         self.anchors_per_sequence = anchors_per_sequence
         self.max_sequences = max_sequences
         self.batch_size = batch_size
@@ -126,6 +134,7 @@ class SimulatedTau:
     @torch.no_grad()
     def anchor_results(self, draft_model: nn.Module) -> tuple[list[tuple[int, int, int, int]], dict[str, Any]]:
         """Per anchor (dataset index, t, accepted along data, accepted along target) + held-out metrics."""
+        from dart_infer.eagle3 import Eagle3DraftModel, anchor_trees
         from dart_infer.tree import draft_trees
 
         d = draft_model.config.draft_length
@@ -160,11 +169,19 @@ class SimulatedTau:
             # Valid anchors in row-major order (sequence, then anchor slot).
             seq_index, slot = layout.anchor_valid.nonzero(as_tuple=True)
             anchors = [(b, int(layout.anchors[b, a])) for b, a in zip(seq_index.tolist(), slot.tolist(), strict=True)]
-            trees = draft_trees(
-                logits[seq_index.to(logits.device), slot.to(logits.device)], draft_model,
-                [input_ids[b, : t + 2] for b, t in anchors], trie=self.trie, settings=self.tree,
-                eos_token_ids=self.eos_token_ids,
-            )
+            if isinstance(draft_model, Eagle3DraftModel):  # EAGLE-3 serves its own dynamic tree
+                trees = []
+                for b in dict.fromkeys(b for b, _ in anchors):  # row-major: each row's anchors in a run
+                    trees += anchor_trees(
+                        draft_model, batch["aux_hidden"][b : b + 1].to(device), input_ids[b : b + 1].to(device),
+                        [t for row, t in anchors if row == b], self.eagle3_tree,
+                    )
+            else:
+                trees = draft_trees(
+                    logits[seq_index.to(logits.device), slot.to(logits.device)], draft_model,
+                    [input_ids[b, : t + 2] for b, t in anchors], trie=self.trie, settings=self.tree,
+                    eos_token_ids=self.eos_token_ids,
+                )
             for (b, t), tree in zip(anchors, trees, strict=True):
                 seq = input_ids[b, : lengths[b]]
                 data_next = seq[t + 2 : t + 2 + d].tolist()

@@ -115,3 +115,51 @@ def test_ttt_loss_trains_the_head_and_reaches_every_step() -> None:
         opt.step()
         losses.append(float(out.loss.detach()))
     assert out.rows.tolist()[3] > 0 and losses[-1] < 0.8 * losses[0]
+
+
+def test_simulated_tau_matches_eagle3_generate_on_greedy_data() -> None:
+    """On target-greedy data, simulated acceptance per anchor (EAGLE-3's own tree, `anchor_trees`)
+    equals `Eagle3Model`'s acceptance at that decoding step."""
+    from dart_infer.eagle3 import Eagle3Model
+    from dart_train.dataset import TokenizedDataset
+    from dart_train.evaluate import SimulatedTau
+    from dart_train.online_states import OnlineStateSource
+
+    vocab = 16  # a small vocabulary makes deep acceptances common with a random head
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa",
+    )).eval()
+    base.generation_config.eos_token_id = None
+    torch.manual_seed(11)
+    head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(base.config, ttt_length=5)).eval()
+    tree = {"top_k": 4, "depth": 4, "total_tokens": 16}
+    model = Eagle3Model(base, head, tree=tree)
+    sequences, steps = [], []
+    for i in range(3):
+        prompt = torch.randint(0, vocab, (6 + i,), generator=torch.Generator().manual_seed(20 + i))
+        out, stats = model.eagle3_generate(prompt, max_new_token_num=30, return_stats=True)
+        seq = out[0]
+        mask = torch.zeros(seq.numel(), dtype=torch.bool)
+        mask[prompt.numel() :] = True
+        sequences.append({"input_ids": seq, "loss_mask": mask})
+        history = prompt.numel() + 1  # prompt + the prefill's root
+        for accepted, emitted in zip(stats.accept_lengths, stats.emitted, strict=True):
+            steps.append((i, history - 2, accepted))
+            history += emitted
+    evaluator = SimulatedTau(
+        TokenizedDataset(sequences), OnlineStateSource(TargetModel(base, head.config.aux_layer_ids), topk=None,
+                                                       hidden_dtype=torch.float32),
+        eagle3_tree=tree, anchors_per_sequence=10_000, batch_size=2,
+    )
+    results, _ = evaluator.anchor_results(head)
+    by_anchor = {(r[0], r[1]): r for r in results}
+    compared = 0
+    for index, t, accepted in steps:
+        if t + 2 + 5 > sequences[index]["input_ids"].numel() or (index, t) not in by_anchor:
+            continue  # the data ends inside this step's window
+        _, _, data_acc, target_acc = by_anchor[(index, t)]
+        assert data_acc == accepted == target_acc, (index, t)
+        compared += 1
+    assert compared >= 10 and any(a > 1 for _, _, a in steps)
