@@ -427,7 +427,11 @@ class DartTrainer:
             # A resumed loader may sit at the very end of an epoch: one empty pass is normal.
             empty_passes += not progressed
             if empty_passes > 1:
-                raise ValueError("the training loader yielded no batch: empty dataset?")
+                raise ValueError(
+                    f"the training loader yielded no batch on rank {rank_and_world_size()[0]}: empty dataset, or "
+                    "fewer batches than ranks (every rank takes every world_size-th batch): use smaller batches "
+                    "(trainer.max_tokens / batch_size / pack_length) or fewer ranks"
+                )
         bar.close()
         self.export(self.run_dir / HEAD_DIR)
         summary = {
@@ -654,7 +658,21 @@ class _Window:
         self.tokens += tokens
         self.loss_tokens += loss_tokens
 
+    def _all_reduce(self) -> None:
+        """Sum the window over ranks: the logged numbers are the global batch's, not rank 0's share."""
+        if rank_and_world_size()[1] == 1:
+            return
+        d = self.d
+        packed = torch.cat([torch.tensor([self.loss, self.micro, self.tokens, self.loss_tokens], dtype=torch.float64),
+                            self.kl_sum.double(), self.correct.double(), self.rows.double()])
+        torch.distributed.all_reduce(packed)
+        self.loss, self.micro, self.tokens, self.loss_tokens = (float(packed[0]), int(packed[1]), int(packed[2]),
+                                                                int(packed[3]))
+        self.kl_sum, self.correct, self.rows = (packed[4 : 4 + d].float(), packed[4 + d : 4 + 2 * d].float(),
+                                                packed[4 + 2 * d :].float())
+
     def flush(self, *, lr: float, step: int) -> dict[str, Any]:
+        self._all_reduce()
         seconds = max(time.perf_counter() - self.started, 1e-9)
         rows = self.rows.clamp(min=1)
         metrics: dict[str, Any] = {
