@@ -5,7 +5,9 @@ Methods (names used in configs, JSON and tables):
 - `hf_generate`: transformers' own `generate` (greedy or sampling);
 - `prompt_lookup`: transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`), the speculative
   decoder a transformers user already has;
-- `dart`: DART with the n-gram trie; `dart_no_trie`: DART with the n-gram term switched off.
+- `dart`: DART with the n-gram trie; `dart_no_trie`: DART with the n-gram term switched off;
+- `eagle3`: an EAGLE-3 head (`dart_infer.eagle3.Eagle3Model` on the same target) with EAGLE-2's dynamic
+  tree, verified by the same loop as DART.
 
 Every method runs in the serving dtype (the `DartModel`'s); the plain ones (`ar`, `hf_generate`) also
 run in each dtype of `plain_models` (e.g. float32 and bfloat16), labelled `ar@fp32`, and each row's
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,13 +39,15 @@ import torch
 from dart_infer.conversations import Conversation
 from dart_infer.generate import DartModel
 from dart_infer.sampling import GREEDY_TEMPERATURE, Sampler
+from dart_infer.stats import wall_clock
 from dart_infer.tree import TreeSearchSettings
 
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "hf_generate", "prompt_lookup", "dart", "dart_no_trie")
+EXTRA_METHODS = ("eagle3",)  # need a model of their own (`Evaluator(eagle3=...)`), so not in the default set
 PLAIN = ("ar", "hf_generate")  # plain decoding: the speedup baselines, timed in every dtype
-SPECULATIVE = ("dart", "dart_no_trie")
+SPECULATIVE = ("dart", "dart_no_trie", "eagle3")
 PHASES = ("prefill", "draft", "search", "verify", "bookkeeping")
 _SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
@@ -135,9 +138,9 @@ class EvalSettings:
     seed: int = 0  # prompt i (counting turns and settings) runs every method with seed + i
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in METHODS + EXTRA_METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS + EXTRA_METHODS)}")
         if "ar" not in self.methods:
             raise ValueError("the 'ar' method is the speedup baseline and must be included")
         if self.max_new_tokens < 1:
@@ -196,9 +199,12 @@ class Evaluator:
 
     `model` runs every method in its (serving) dtype; each of `plain_models` (the same target in other
     dtypes, e.g. `model.with_dtype("float32")` or a float32 load) runs the plain methods too.
+    `eagle3` (an `Eagle3Model` on the same target, in the serving dtype) runs the `eagle3` method.
     """
 
-    def __init__(self, model: DartModel, settings: EvalSettings, plain_models: Sequence[DartModel] = ()) -> None:
+    def __init__(
+        self, model: DartModel, settings: EvalSettings, plain_models: Sequence[DartModel] = (), eagle3: Any = None
+    ) -> None:
         self.model = model
         self.settings = settings
         if settings.threads:
@@ -209,7 +215,9 @@ class Evaluator:
         dtypes = [serving, *(m.target.dtype for m in plain_models)]
         if len(set(dtypes)) != len(dtypes):
             raise ValueError(f"one model per dtype: the serving model is {serving}, plain models {dtypes[1:]}")
-        self.runs = [_Run(m, m, model) for m in settings.methods]
+        if "eagle3" in settings.methods and (eagle3 is None or eagle3.target.dtype != serving):
+            raise ValueError(f"method 'eagle3' needs an Eagle3Model in the serving dtype {serving} (eagle3_model)")
+        self.runs = [_Run(m, m, eagle3 if m == "eagle3" else model) for m in settings.methods]
         for other in plain_models:
             self.runs += [
                 _Run(run_label(m, other.target.dtype, serving), m, other) for m in settings.methods if m in PLAIN
@@ -224,6 +232,7 @@ class Evaluator:
             "prompt_lookup": partial(self._run_hf, prompt_lookup=True),
             "dart": partial(self._run_dart, tree=None),
             "dart_no_trie": partial(self._run_dart, tree={"ngram_weight": 0.0}),
+            "eagle3": partial(self._run_dart, tree=None, generate="eagle3_generate"),
         }
 
     # ---------------------------------------------------------------------------------- methods
@@ -239,9 +248,10 @@ class Evaluator:
         return self._record(run, ids, out, stats.wall_time, timings=stats.timings)
 
     def _run_dart(
-        self, run: _Run, ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int, *, tree: dict[str, Any] | None
+        self, run: _Run, ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int, *,
+        tree: dict[str, Any] | None, generate: str = "dart_generate",
     ) -> Record:
-        out, stats = run.model.dart_generate(
+        out, stats = getattr(run.model, generate)(
             ids, sampling.temperature, sampling.top_p, sampling.top_k, max_new_token_num=max_new,
             generator=self._generator(run.model, seed), tree=tree, profile=True, return_stats=True,
         )
@@ -257,8 +267,7 @@ class Evaluator:
         inputs = ids[None].to(run.model.target.device)
         extra = {"prompt_lookup_num_tokens": self.settings.prompt_lookup_num_tokens} if prompt_lookup else {}
         torch.manual_seed(seed)  # transformers samples from the global generator
-        start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), wall_clock(inputs.device) as elapsed:  # the rule AR and DART are timed by
             out = base.generate(
                 inputs,
                 attention_mask=torch.ones_like(inputs),
@@ -268,7 +277,7 @@ class Evaluator:
                 **sampling.hf_kwargs(),
                 **extra,
             )
-        return self._record(run, ids, out.cpu(), time.perf_counter() - start)
+        return self._record(run, ids, out.cpu(), elapsed[0])
 
     @staticmethod
     def _record(run: _Run, ids: torch.Tensor, out: torch.Tensor, seconds: float, **extra: Any) -> Record:
@@ -315,7 +324,7 @@ class Evaluator:
                         record = results[run.label]
                         record.benchmark, record.prompt_id, record.turn = benchmark, conversation.id, turn_index
                         record.sampling, record.seed = sampling.label, seed
-                        same_dtype_ar = next(r.label for r in runs if r.method == "ar" and r.model is run.model)
+                        same_dtype_ar = next(r.label for r in runs if r.method == "ar" and r.dtype == run.dtype)
                         record.identical_to_ar = record.output_ids == results[same_dtype_ar].output_ids
                         if fp32 is not None:
                             record.identical_to_fp32 = record.output_ids == fp32

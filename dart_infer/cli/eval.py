@@ -178,6 +178,23 @@ def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
     return by_dtype[serving_dtype], [by_dtype[d] for d in others]
 
 
+def load_eagle3(cfg: DictConfig, model: Any) -> Any:
+    """The `eagle3` method's `Eagle3Model` (None unless it is asked for): the head at `eagle3_model` on
+    the serving model's target (shared, not loaded again), in its dtype, with `eagle3_tree` overrides."""
+    if "eagle3" not in cfg.methods:
+        return None
+    if not cfg.get("eagle3_model"):
+        raise ValueError("method 'eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
+    from dart_infer.dtypes import cast_parameters
+    from dart_infer.eagle3 import Eagle3Model, load_eagle3_model
+
+    head = load_eagle3_model(str(cfg.eagle3_model))
+    weight = model.base_model.get_input_embeddings().weight
+    head = cast_parameters(head.to(device=weight.device), weight.dtype)
+    tree = OmegaConf.to_container(cfg.eagle3_tree, resolve=True) if cfg.get("eagle3_tree") else None
+    return Eagle3Model(model.base_model, head, model.tokenizer, tree=tree, profile=model.profile).eval()
+
+
 def load_model(cfg: DictConfig, trie: str | None) -> Any:
     """The serving model alone (`model.dtype`, the tree configured, `trie` from `resolve_trie`)."""
     return load_models(OmegaConf.merge(cfg, {"baseline_dtypes": []}), trie)[0]
@@ -220,12 +237,13 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
     benchmarks = {name: benchmark_conversations(name, cfg.limit) for name in cfg.benchmarks}
     torch.manual_seed(cfg.seed)
     model, plain_models = load_models(cfg, trie)
-    evaluator = Evaluator(model, settings, plain_models)
+    eagle3 = load_eagle3(cfg, model)
+    evaluator = Evaluator(model, settings, plain_models, eagle3=eagle3)
     evaluator.warm_up()
     records = []
     for name, conversations in benchmarks.items():
         records += evaluator.run(name, conversations)
-    summary = summarize(records, model.draft_model.config.draft_length)
+    summary = summarize(records, max(model.draft_model.config.draft_length, eagle3.tree.depth if eagle3 else 0))
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "serving_dtype": dtype_name(model.target.dtype),
@@ -233,6 +251,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
         "methods": list(settings.methods),
         "ngram_model": trie,
         "tree": asdict(model.tree),
+        "eagle3_model": str(cfg.eagle3_model) if eagle3 else None,
+        "eagle3_tree": asdict(eagle3.tree) if eagle3 else None,
         "device": str(model.target.device),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

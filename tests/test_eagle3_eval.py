@@ -1,0 +1,55 @@
+"""`dart-eval methods=[...,eagle3] eagle3_model=...`: EAGLE-3 timed next to DART on the same target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_evaluate import _dart_eval, tiny_dart  # noqa: F401 (fixture)
+
+from dart_infer.conversations import load_conversations
+from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, Eagle3Model
+from dart_infer.evaluate import EvalSettings, Evaluator
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tiny_dart) -> Path:  # noqa: F811
+    model, root = tiny_dart
+    torch.manual_seed(3)
+    head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(model.base_model.config, draft_vocab_size=4096))
+    head.set_vocab_mapping(torch.arange(4096))
+    head.save_pretrained(root / "eagle3")
+    return root / "eagle3"
+
+
+def test_evaluator_runs_eagle3_beside_dart(tiny_dart, eagle3_head) -> None:  # noqa: F811
+    model, _ = tiny_dart
+    from dart_infer.eagle3 import load_eagle3_model
+
+    eagle3 = Eagle3Model(model.base_model, load_eagle3_model(str(eagle3_head)), model.tokenizer,
+                         tree={"top_k": 4, "depth": 3, "total_tokens": 8})
+    settings = EvalSettings(methods=["ar", "dart", "eagle3"], max_new_tokens=10)
+    records = Evaluator(model, settings, eagle3=eagle3).run("mtbench", load_conversations("mtbench", limit=2),
+                                                           progress=False)
+    ours = [r for r in records if r.method == "eagle3"]
+    assert len(ours) == 2 and all(r.identical_to_ar for r in ours)
+    assert all(r.steps and r.step_tokens == r.new_tokens - 1 for r in ours)
+    with pytest.raises(ValueError, match="eagle3_model"):
+        Evaluator(model, settings)
+
+
+def test_cli_eagle3_method(tiny_dart, eagle3_head, tmp_path: Path) -> None:  # noqa: F811
+    _, root = tiny_dart
+    result = _dart_eval(
+        "model=custom", f"model.name_or_path={root / 'base'}", f"draft_model={root / 'head'}",
+        f"ngram_model={root / 'tiny.trie'}", "benchmarks=[mtbench]", "limit=1", "max_new_tokens=8",
+        "methods=[ar,dart,eagle3]", f"eagle3_model={eagle3_head}", "eagle3_tree.total_tokens=6",
+        f"out_dir={tmp_path / 'out'}", "temperature=0", "baseline_dtypes=[]", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| mtbench | T=0 | eagle3 | float32 |" in result.stdout
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["summary"]["mtbench"]["T=0"]["eagle3"]["identical_to_ar"] == 1.0
+    assert saved["meta"]["eagle3_tree"] == {"top_k": 4, "depth": 5, "total_tokens": 6}  # CPU default + override
