@@ -37,14 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
-from transformers import initialization as hf_init
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from dart_infer.decoding import tree_steps
 from dart_infer.generate import DartModel
 from dart_infer.model import DartAttention, DartDraftConfig, DartDraftModel, DraftKVCache, causal_mask
 from dart_infer.stats import GenerationStats, StepOutput
-from dart_infer.tree import DraftTree
+from dart_infer.tree import DraftTree, with_field_overrides
 
 __all__ = [
     "EAGLE3_ARCHITECTURE",
@@ -156,27 +155,18 @@ class Eagle3DraftModel(PreTrainedModel):
     set_target_embedding = DartDraftModel.set_target_embedding
     set_vocab_mapping = DartDraftModel.set_vocab_mapping
     draft_to_target = DartDraftModel.draft_to_target
+    _build = DartDraftModel._build
+    _reset_vocab_mapping = DartDraftModel._reset_vocab_mapping
 
     def __init__(self, config: Eagle3DraftConfig) -> None:
         super().__init__(config)
-        self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
-        self.midlayer = Eagle3DecoderLayer(config)
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[: config.draft_vocab_size] = True
-        self.register_buffer("t2d", t2d)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self._build(config, Eagle3DecoderLayer(config))  # fc, midlayer, norm, lm_head, rotary, t2d/d2t
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, Eagle3DraftModel):
-            t2d = torch.zeros_like(module.t2d)
-            t2d[: self.config.draft_vocab_size] = True
-            hf_init.copy_(module.t2d, t2d)
-            hf_init.zeros_(module.d2t)
+            self._reset_vocab_mapping(module)
 
     # ----------------------------------------------------------------------------- building blocks
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
@@ -244,23 +234,9 @@ class Eagle3DraftModel(PreTrainedModel):
 
 def load_eagle3_model(path: str, *, dtype: torch.dtype | None = None) -> Eagle3DraftModel:
     """Load an EAGLE-3 head (ours, or one in the published layout); missing or mis-shaped tensors fail."""
-    from pathlib import Path
+    from dart_infer.loading import load_draft_model
 
-    from dart_infer.assets import resolve_model
-
-    source = resolve_model(path)
-    local = Path(source)
-    if local.exists() and not (local / "config.json").is_file():
-        raise FileNotFoundError(f"EAGLE-3 head directory {local} has no config.json")
-    try:
-        model, info = Eagle3DraftModel.from_pretrained(source, output_loading_info=True, dtype=dtype)
-    except Exception as err:  # transformers/safetensors raise many types for a bad checkpoint
-        raise ValueError(f"cannot load the EAGLE-3 head from '{source}': {err}") from err
-    missing = list(info.get("missing_keys") or [])
-    mismatched = list(info.get("mismatched_keys") or [])
-    if missing or mismatched:
-        raise ValueError(f"incomplete EAGLE-3 head at '{source}': missing {missing}, mismatched {mismatched}")
-    return model
+    return load_draft_model(path, dtype=dtype, model_class=Eagle3DraftModel, kind="EAGLE-3")  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------------- the draft tree
@@ -281,15 +257,7 @@ class Eagle3TreeSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> Eagle3TreeSettings:
-        import dataclasses
-
-        if not overrides:
-            return self
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"unknown EAGLE-3 tree settings {unknown}; known: {sorted(known)}")
-        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        return with_field_overrides(self, overrides, "EAGLE-3 tree")  # type: ignore[no-any-return]
 
 
 # On a CPU a verification's cost grows with its nodes (README "Verification cost"): a tree about the

@@ -79,25 +79,28 @@ def check_trie_matches_tokenizer(trie: Any, tokenizer: Any, vocab_size: int) -> 
     trie.check_compatible(vocab_size=vocab_size, tokenizer_fingerprint=fingerprint)
 
 
-def load_draft_model(path: str | Path, *, dtype: torch.dtype | None = None) -> DartDraftModel:
-    """Load a head saved by us or by the authors; any missing, unreadable or mis-shaped tensor is an error."""
+def load_draft_model(
+    path: str | Path, *, dtype: torch.dtype | None = None, model_class: Any = DartDraftModel, kind: str = "DART"
+) -> Any:
+    """Load a head saved by us or by the authors; any missing, unreadable or mis-shaped tensor is an error.
+    `model_class`/`kind`: another head type and its name in messages (`dart_infer.eagle3`)."""
     from dart_infer.assets import resolve_model
 
     source = resolve_model(path)
     local = Path(source)
     if local.exists():
         if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"DART head directory {local} has no config.json")
+            raise FileNotFoundError(f"{kind} head directory {local} has no config.json")
         if not any(local.glob("*.safetensors")) and not any(local.glob("*.bin")):
-            raise FileNotFoundError(f"DART head directory {local} has no weights (model.safetensors)")
+            raise FileNotFoundError(f"{kind} head directory {local} has no weights (model.safetensors)")
     try:
-        model, info = DartDraftModel.from_pretrained(source, output_loading_info=True, dtype=dtype)
+        model, info = model_class.from_pretrained(source, output_loading_info=True, dtype=dtype)
     except Exception as err:  # transformers/safetensors raise many types for a bad checkpoint
-        raise ValueError(f"cannot load the DART head from '{source}': {err}") from err
+        raise ValueError(f"cannot load the {kind} head from '{source}': {err}") from err
     missing = list(info.get("missing_keys") or [])
     mismatched = list(info.get("mismatched_keys") or [])
     if missing or mismatched:
-        raise ValueError(f"incomplete DART head at '{source}': missing {missing}, mismatched {mismatched}")
+        raise ValueError(f"incomplete {kind} head at '{source}': missing {missing}, mismatched {mismatched}")
     return model
 
 

@@ -295,8 +295,14 @@ class DartDraftModel(PreTrainedModel):
 
     def __init__(self, config: DartDraftConfig) -> None:
         super().__init__(config)
+        self._build(config, DartDecoderLayer(config))
+        self.post_init()
+
+    # ----------------------------------------------------------------------------------------- set-up
+    def _build(self, config: Any, midlayer: nn.Module) -> None:
+        """The parts around the draft layer, shared with the EAGLE-3 head (`dart_infer.eagle3`)."""
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
-        self.midlayer = DartDecoderLayer(config)
+        self.midlayer = midlayer
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
@@ -305,18 +311,20 @@ class DartDraftModel(PreTrainedModel):
         t2d[: config.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.post_init()
 
-    # ----------------------------------------------------------------------------------------- set-up
+    def _reset_vocab_mapping(self, module: nn.Module) -> None:
+        """`_init_weights` of the head itself: back to the identity draft vocabulary."""
+        t2d = torch.zeros_like(module.t2d)
+        t2d[: self.config.draft_vocab_size] = True
+        hf_init.copy_(module.t2d, t2d)
+        hf_init.zeros_(module.d2t)
+
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, DartDecoderLayer):
             hf_init.normal_(module.mask_rep, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, DartDraftModel):
-            t2d = torch.zeros_like(module.t2d)
-            t2d[: self.config.draft_vocab_size] = True
-            hf_init.copy_(module.t2d, t2d)
-            hf_init.zeros_(module.d2t)
+            self._reset_vocab_mapping(module)
 
     @property
     def embed_tokens(self) -> nn.Embedding | None:

@@ -23,6 +23,18 @@ if TYPE_CHECKING:
 __all__ = ["DraftTree", "TreeSearchSettings", "draft_trees", "request_context"]
 
 
+def with_field_overrides(settings: Any, overrides: Mapping[str, Any] | None, kind: str) -> Any:
+    """A copy of the dataclass `settings` with the named fields replaced (None values are skipped);
+    unknown names are a TypeError naming the known ones."""
+    if not overrides:
+        return settings
+    known = {f.name for f in dataclasses.fields(settings)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"unknown {kind} settings {unknown}; known: {sorted(known)}")
+    return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+
+
 @dataclass(frozen=True)
 class TreeSearchSettings:
     """Knobs of the draft tree. The defaults are the paper's GPU setting (a 60-node tree); on a CPU
@@ -55,13 +67,7 @@ class TreeSearchSettings:
             raise ValueError(f"context_ngram_order must be between 2 and 5, got {self.context_ngram_order}")
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> TreeSearchSettings:
-        if not overrides:
-            return self
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"unknown tree-search settings {unknown}; known: {sorted(known)}")
-        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        return with_field_overrides(self, overrides, "tree-search")
 
     @classmethod
     def coerce(cls, tree: TreeSearchSettings | Mapping[str, Any] | None) -> TreeSearchSettings:
