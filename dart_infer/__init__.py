@@ -1,6 +1,7 @@
 """DART inference: draft model, target adapter, C++ tree search, lossless generation.
 
-`from dart_infer import DartModel, DartDraftConfig, DartDraftModel` — resolved lazily, so importing
+`from dart_infer import DartModel, DartDraftConfig, DartDraftModel` (and `Eagle3Model`, `Eagle3DraftModel`,
+`Eagle3DraftConfig` for EAGLE-3 in the same framework) — resolved lazily, so importing
 the package (e.g. for `dart_infer.assets`) does not pull in torch/transformers.
 """
 
@@ -16,18 +17,25 @@ _EXPORTS = {
     "DartDraftConfig": "dart_infer.model",
     "DartDraftModel": "dart_infer.model",
     "TargetModel": "dart_infer.target",
+    "Eagle3Model": "dart_infer.eagle3",
+    "Eagle3DraftConfig": "dart_infer.eagle3",
+    "Eagle3DraftModel": "dart_infer.eagle3",
 }
 
 __all__ = [
     "DartDraftConfig",
     "DartDraftModel",
     "DartModel",
+    "Eagle3DraftConfig",
+    "Eagle3DraftModel",
+    "Eagle3Model",
     "GenerationStats",
     "TargetModel",
     "TreeSearchSettings",
 ]
 
 if TYPE_CHECKING:
+    from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, Eagle3Model
     from dart_infer.generate import DartModel
     from dart_infer.model import DartDraftConfig, DartDraftModel
     from dart_infer.stats import GenerationStats
