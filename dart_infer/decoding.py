@@ -18,7 +18,6 @@ the same code for both. Both loops are generators of `StepOutput`s and handle ba
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 from dart_infer.model import DraftKVCache
 from dart_infer.sampling import Sampler, greedy_accept, sampling_accept
-from dart_infer.stats import GenerationStats, PhaseTimer, StepOutput
+from dart_infer.stats import GenerationStats, PhaseTimer, StepOutput, wall_clock
 from dart_infer.tree import DraftTree, TreeSearchSettings, draft_trees, request_context
 
 __all__ = ["DartDrafter", "ar_steps", "dart_steps", "stop_cut", "tree_steps"]
@@ -71,11 +70,11 @@ class _Run:
 
     @contextmanager
     def timed(self) -> Iterator[None]:
-        start = time.perf_counter()
         try:
-            yield
+            with wall_clock(self.timer.device) as elapsed:
+                yield
         finally:
-            self.stats.wall_time = time.perf_counter() - start
+            self.stats.wall_time = elapsed[0]
             self.stats.timings = dict(self.timer.totals)
 
 

@@ -11,7 +11,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["GenerationStats", "PhaseTimer", "StepOutput"]
+__all__ = ["GenerationStats", "PhaseTimer", "StepOutput", "wall_clock"]
+
+
+@contextmanager
+def wall_clock(device: torch.device | str) -> Iterator[list[float]]:
+    """Seconds of the work inside, the device's queued work included: on CUDA (asynchronous) it
+    synchronises before reading the clock at both ends. dart-eval times every method through this
+    one rule; the result is in `elapsed[0]` after the block."""
+    cuda = torch.device(device).type == "cuda"
+    elapsed = [0.0]
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        yield elapsed
+    finally:
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed[0] = time.perf_counter() - start
 
 
 @dataclass
@@ -70,6 +88,7 @@ class PhaseTimer:
 
     def __init__(self, enabled: bool, device: torch.device) -> None:
         self.enabled = enabled
+        self.device = device
         self.cuda = enabled and device.type == "cuda"
         self.totals: dict[str, float] = defaultdict(float)
         self.step: dict[str, float] = defaultdict(float)

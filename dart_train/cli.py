@@ -406,7 +406,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from dart_infer.conversations import load_conversations
     from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
     from dart_train.dataset import build_dataset
-    from dart_train.engine import DartTrainer, init_distributed
+    from dart_train.engine import DartTrainer, estimate_step_memory, init_distributed
     from dart_train.vocab import build_vocab_mapping
 
     if cfg.output_dir:
@@ -477,6 +477,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     loader = ResumableLoader(dataset, sampler, pad_token_id=int(pad))
+    if rank == 0:  # before the expensive part: what the largest micro-batch will need
+        compiled_flex = torch.cuda.is_available() and str(t.attention) != "dense"
+        estimate = estimate_step_memory(
+            sampler.batches(0), dataset.lengths, [int(s["loss_mask"].sum()) for s in dataset.sequences],
+            draft_config=head.config, max_anchors=settings.max_anchors, compiled_flex=compiled_flex,
+            activation_bytes=2 if settings.bf16 or settings.autocast_dtype else 4,
+        )
+        print(f"# dart-train: {estimate.describe()}", flush=True)
     source = _state_source(cfg, target, dataset, run_dir)
     evaluator = _evaluator(cfg, target, tokenizer, cfg)
     trainer = DartTrainer(head, source, loader, settings, run_dir, evaluator=evaluator)

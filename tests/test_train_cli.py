@@ -83,6 +83,7 @@ def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversati
     result = run_cli(overrides(tiny_checkpoint, conversations_file, out), tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "# resolved config (train)" in result.stdout
+    assert "# dart-train: peak memory estimate of the head's step (dense-mask attention)" in result.stdout
     saved = OmegaConf.load(out / "config.yaml")
     assert saved.trainer.max_steps == 3 and saved.model.name_or_path == str(tiny_checkpoint)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -307,3 +308,19 @@ def test_resumed_runs_log_to_a_new_wandb_segment(tmp_path) -> None:
     resumed = wandb_init_kwargs(cfg, tmp_path / "my-run", resume_step=200)
     assert (resumed["id"], resumed["group"]) == ("my-run-from00000200", "my-run")
     assert resumed["config"]["resumed_from_step"] == 200
+
+
+def test_hardware_group_sets_trainer_tree_and_dtype_together() -> None:
+    cpu, gpu = _compose(), _compose("hardware=gpu")
+    assert (cpu.trainer.zero_stage, cpu.model.dtype, cpu.train_eval.tree.remain_total) == (0, "float32", 12)
+    assert (gpu.trainer.zero_stage, gpu.trainer.bf16, gpu.model.dtype) == (2, True, "bfloat16")
+    assert gpu.train_eval.tree.remain_total == 60 and gpu.trainer.max_anchors == 512  # the paper's tree, bounded
+    # What the command line names still wins.
+    mixed = _compose("hardware=gpu", "trainer=zero3", "model.dtype=float32")
+    assert (mixed.trainer.zero_stage, mixed.model.dtype, mixed.train_eval.tree.remain_total) == (3, "float32", 60)
+    for name in ("zero2", "zero3"):
+        assert _compose(f"trainer={name}").trainer.max_anchors is not None  # GPU memory linear in tokens
+    with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
+        auto = compose(config_name="eval")
+        on_gpu = compose(config_name="eval", overrides=["hardware=gpu"])
+    assert auto.tree.remain_total is None and on_gpu.tree.remain_total == 60 and on_gpu.model.dtype == "bfloat16"

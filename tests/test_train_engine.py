@@ -350,3 +350,40 @@ def test_compiled_flex_attention_gives_the_dense_mask_logits(target, dataset) ->
             model_module.use_compiled_flex_attention(False)  # other tests run eager flex
     valid = layout.row_valid
     torch.testing.assert_close(flex[valid], dense[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_memory_estimate_matches_the_layout_of_the_largest_batch(target, dataset) -> None:
+    from dart_train.batching import collate
+    from dart_train.engine import estimate_step_memory
+    from dart_train.objective import build_layout
+
+    head = make_head(target, dataset)
+    sampler = LengthBucketBatchSampler(dataset.lengths, batch_size=3, seed=5)
+    loss_tokens = [int(s["loss_mask"].sum()) for s in dataset.sequences]
+    estimate = estimate_step_memory(sampler.batches(0), dataset.lengths, loss_tokens, draft_config=head.config,
+                                    max_anchors=6, compiled_flex=False)
+    # Recompute the largest batch's layout the way training builds it.
+    def alone(batch):
+        return estimate_step_memory([batch], dataset.lengths, loss_tokens, draft_config=head.config, max_anchors=6,
+                                    compiled_flex=False).total
+
+    largest = max(sampler.batches(0), key=alone)
+    assert len({alone(b) for b in sampler.batches(0)}) > 1  # the batches differ: picking the largest matters
+    batch = collate([dataset[i] for i in largest])
+    layout = build_layout(batch["loss_mask"], head.config.draft_length, max_anchors=6,
+                          generator=torch.Generator().manual_seed(0))
+    assert (estimate.rows, estimate.slots, estimate.anchors) == (len(largest), layout.num_slots, layout.num_anchors)
+    mask = layout.dense_mask()
+    assert estimate.attention >= mask.numel() * mask.element_size()
+    heads = head.config.num_attention_heads
+    assert estimate.attention == 2 * len(largest) * heads * layout.num_slots**2 * 4 + mask.numel()
+    assert "dense-mask attention" in estimate.describe()
+    # Compiled flex attention: linear in slots; the dense mask: quadratic.
+    long = [[0]]
+    for lengths in ([1024], [4096]):
+        dense = estimate_step_memory(long, lengths, [64], draft_config=head.config, max_anchors=64, compiled_flex=False)
+        flex = estimate_step_memory(long, lengths, [64], draft_config=head.config, max_anchors=64, compiled_flex=True)
+        assert flex.attention < dense.attention / 10
+        if lengths == [1024]:
+            first = (dense.attention, flex.attention)
+    assert 12 < dense.attention / first[0] < 17 and 3 < flex.attention / first[1] < 5
