@@ -396,6 +396,16 @@ def resumed_config(
             changes.append(f"{key}: {old[key]!r} -> {value!r}")
         else:
             OmegaConf.update(merged, key, old[key], merge=False)
+    # Keys only the saved run has come from a group option not chosen again (e.g. `draft=eagle3`
+    # resumed without naming it): the saved run keeps them unless this command line names them.
+    missing = [k for k in old if k not in new and k not in _ALWAYS_NEW]
+    if explicit is not None and missing:
+        struct = OmegaConf.is_struct(merged)
+        OmegaConf.set_struct(merged, False)
+        for key in missing:
+            if not any(key == e or key.startswith(e + ".") for e in explicit):
+                OmegaConf.update(merged, key, old[key], merge=False)
+        OmegaConf.set_struct(merged, struct)
     return merged, changes
 
 

@@ -1,5 +1,5 @@
 """`dart-train draft=eagle3` end to end on a tiny random Llama: TTT training through DART's engine,
-simulated τ on EAGLE-3's own tree, export in the published layout, lossless serving of the export."""
+simulated τ on EAGLE-3's own tree, export in the published layout, lossless serving of the export, resume."""
 
 from __future__ import annotations
 
@@ -38,3 +38,10 @@ def test_dart_train_eagle3_end_to_end(tiny_checkpoint, conversations_file, tmp_p
     generated = model.eagle3_generate(prompt, max_new_token_num=8)
     reference = model.base_model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert torch.equal(generated[0, : reference.shape[1]], reference[0, : generated.shape[1]])
+
+    # resume=true continues the EAGLE-3 run from its checkpoint, configured as saved.
+    more = run_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=4"], tmp_path)
+    assert more.returncode == 0, more.stderr[-4000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if "loss" in m and "eval/tau" not in m] == [1, 2, 3, 4]
+    assert OmegaConf.load(out / "config.yaml").draft.method == "eagle3"
