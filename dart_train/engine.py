@@ -168,7 +168,7 @@ class MemoryEstimate:
         gib = 1024**3
         return (f"peak memory estimate of the head's step ({self.kind} attention), largest micro-batch "
                 f"{self.rows} row(s) x {self.tokens} tokens + {self.anchors} anchors = {self.slots} slots: attention "
-                f"{self.attention / gib:.2f} GiB, logits {self.logits / gib:.2f} GiB, together {self.total / gib:.2f} GiB")
+                f"{self.attention / gib:.3g} GiB, logits {self.logits / gib:.3g} GiB, together {self.total / gib:.3g} GiB")
 
 
 def estimate_step_memory(
@@ -506,6 +506,8 @@ class DartTrainer:
             "best": self.best,
             "head": str(self.run_dir / HEAD_DIR),
             "timings": dict(self.timings),
+            # The device's high-water mark of this process (target, head, optimiser, activations).
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         }
         if rank_and_world_size()[0] == 0:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
