@@ -633,9 +633,11 @@ class DartTrainer:
 
         Raises `ResumeError` for settings the checkpoint cannot continue with (module doc)."""
         tag = tag or self.latest_tag()
-        if tag is None:
-            return False
         rank, _ = rank_and_world_size()
+        if tag is None:  # killed before its first checkpoint: it starts again from step 0
+            if rank == 0:
+                self._truncate_metrics(0)
+            return False
         tag_dir = self.checkpoint_dir / tag
         first = tag_dir / RANK_STATE.format(rank=0)
         own: dict[str, Any] | None = None

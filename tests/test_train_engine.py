@@ -148,6 +148,17 @@ def test_resume_applies_changed_optimizer_settings(target, dataset, tmp_path: Pa
     assert again.engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * schedule(6))
 
 
+def test_resume_without_a_checkpoint_starts_the_metrics_again(target, dataset, tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')  # killed at step 2
+    trainer = make_trainer(target, dataset, tmp_path, max_steps=2)
+    assert not trainer.resume()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    (dropped,) = tmp_path.glob("metrics.dropped-00000000-*.jsonl")
+    assert dropped.read_text().startswith('{"step": 1, "loss": 9.0}')
+    trainer.train()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
 def test_resume_refuses_settings_a_checkpoint_cannot_continue_with(target, dataset, tmp_path: Path) -> None:
     from dart_train.engine import ResumeError
 
