@@ -40,7 +40,6 @@ from dart_infer.conversations import Conversation
 from dart_infer.generate import DartModel
 from dart_infer.sampling import GREEDY_TEMPERATURE, Sampler
 from dart_infer.stats import wall_clock
-from dart_infer.tree import TreeSearchSettings
 
 log = logging.getLogger(__name__)
 
@@ -536,18 +535,20 @@ def fit_tree(
     A GPU verifies 60 nodes for about the cost of one; a CPU does not, so the tree that maximises
     speedup depends on the hardware and has to be measured. Each setting is timed against AR runs
     interleaved with its own, prompt by prompt, so drift of the machine's speed cancels in the ratio.
+    An `Eagle3Model` is fitted the same way over its dynamic tree's settings (top_k, depth, total_tokens).
     """
     for setting in grid:
-        TreeSearchSettings().with_overrides(setting)  # validates names and values before timing
+        model.tree.with_overrides(setting)  # validates names and values before timing
+    speculative = getattr(model, "eagle3_generate", None) or model.dart_generate
     results = []
     # Warm-up: first calls pay one-time kernel and allocator set-up that would flatter the later ones.
     model.ar_generate(prompts[0], max_new_token_num=8)
-    model.dart_generate(prompts[0], max_new_token_num=8)
+    speculative(prompts[0], max_new_token_num=8)
     for setting in grid:
         stats: dict[str, list[Any]] = {"ar": [], "dart": []}
         for i, ids in enumerate(prompts):
             for kind in ("ar", "dart") if i % 2 == 0 else ("dart", "ar"):  # alternate which goes first
-                generate = model.ar_generate if kind == "ar" else partial(model.dart_generate, tree=setting)
+                generate = model.ar_generate if kind == "ar" else partial(speculative, tree=setting)
                 stats[kind].append(generate(ids, max_new_token_num=max_new_tokens, return_stats=True)[1])
         ar, dart = stats["ar"], stats["dart"]
         rate = sum(s.new_tokens for s in dart) / sum(s.wall_time for s in dart)

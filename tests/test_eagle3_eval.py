@@ -53,3 +53,22 @@ def test_cli_eagle3_method(tiny_dart, eagle3_head, tmp_path: Path) -> None:  # n
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["summary"]["mtbench"]["T=0"]["eagle3"]["identical_to_ar"] == 1.0
     assert saved["meta"]["eagle3_tree"] == {"top_k": 4, "depth": 5, "total_tokens": 6}  # CPU default + override
+
+
+def test_fit_tree_measures_eagle3_tree_settings(tiny_dart, eagle3_head, tmp_path: Path) -> None:  # noqa: F811
+    _, root = tiny_dart
+    result = _dart_eval(
+        "action=fit_tree", "fit.method=eagle3", "model=custom", f"model.name_or_path={root / 'base'}",
+        f"draft_model={root / 'head'}", f"eagle3_model={eagle3_head}", "fit.prompts=1", "fit.max_new_tokens=8",
+        "fit.eagle3_grid.top_k=[2,4]", "fit.eagle3_grid.depth=[3]", "fit.eagle3_grid.total_tokens=[6]",
+        f"out_dir={tmp_path / 'fit'}", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "eagle3_tree.top_k=" in result.stdout and "eagle3_tree.total_tokens=6" in result.stdout
+    import yaml
+
+    text = (tmp_path / "fit" / "fit_tree.yaml").read_text()
+    fitted = yaml.safe_load(text)
+    assert fitted["method"] == "eagle3" and "dart-eval tree=" not in text.splitlines()[0]
+    assert set(fitted["tree"]) == {"top_k", "depth", "total_tokens"} and fitted["tree"]["total_tokens"] == 6
+    assert len(fitted["all"]) == 2 and {r["top_k"] for r in fitted["all"]} == {2, 4}

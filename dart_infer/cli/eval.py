@@ -100,7 +100,8 @@ def write_fit(out_dir: str | Path, best: dict[str, Any], results: list[dict[str,
     out.mkdir(parents=True, exist_ok=True)
     path = out / FIT_FILE
     body = yaml.safe_dump({"tree": best, **meta, "all": results}, sort_keys=False)
-    path.write_text(f"{FIT_HEADER}; evaluate with it: dart-eval tree={path}\n{body}")
+    use = "eagle3_tree.<field>=<value> of `tree:`" if meta.get("method") == "eagle3" else f"dart-eval tree={path}"
+    path.write_text(f"{FIT_HEADER}; evaluate with it: {use}\n{body}")
     return path
 
 
@@ -268,11 +269,15 @@ def run_fit_tree(cfg: DictConfig) -> Path:
     from dart_infer.evaluate import chat_prompt, first_turn, fit_tree
 
     conversations = benchmark_conversations(cfg.benchmarks[0], cfg.fit.prompts)
-    trie = resolve_trie(cfg)
+    eagle3 = str(cfg.fit.get("method", "dart")) == "eagle3"
+    trie = None if eagle3 else resolve_trie(cfg)
     model = load_model(cfg, trie)
+    if eagle3:  # EAGLE-3's dynamic tree on the same target (fit.eagle3_grid)
+        model = load_eagle3(OmegaConf.merge(cfg, {"methods": ["eagle3"]}), model)
     prompts = [chat_prompt(model.tokenizer, first_turn(c)) for c in conversations]
-    keys = list(cfg.fit.grid)
-    grid = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(cfg.fit.grid[k] for k in keys))]
+    space = cfg.fit.eagle3_grid if eagle3 else cfg.fit.grid
+    keys = list(space)
+    grid = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(space[k] for k in keys))]
     results = fit_tree(model, prompts, grid, cfg.fit.max_new_tokens)
     # The whole tree (the fields not searched as configured), so the file alone reproduces it.
     best = {**{k: v for k, v in asdict(model.tree).items() if k not in keys and v is not None},
@@ -283,9 +288,10 @@ def run_fit_tree(cfg: DictConfig) -> Path:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "model": str(cfg.model.name_or_path),
-        "draft_model": str(cfg.draft_model),
+        "draft_model": str(cfg.eagle3_model if eagle3 else cfg.draft_model),
         "ngram_model": trie,
         "speedup_vs_ar": results[0]["speedup_vs_ar"],
+        "method": "eagle3" if eagle3 else "dart",
     }
     path = write_fit(cfg.out_dir, best, results, meta)
     print("| " + " | ".join(keys) + " | τ | tokens/s | speedup vs AR |")
@@ -293,7 +299,11 @@ def run_fit_tree(cfg: DictConfig) -> Path:
     for r in results:
         print("| " + " | ".join(str(r[k]) for k in keys) + f" | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | {r['speedup_vs_ar']:.2f}× |")
     print(f"best tree on this machine ({cfg.model.dtype}): {best} ({results[0]['speedup_vs_ar']:.2f}× AR)")
-    print(f"wrote {path}; evaluate with it: dart-eval tree={path}")
+    if eagle3:
+        flags = " ".join(f"eagle3_tree.{k}={v}" for k, v in best.items())
+        print(f"wrote {path}; evaluate with it: dart-eval methods=[ar,dart,eagle3] eagle3_model={cfg.eagle3_model} {flags}")
+    else:
+        print(f"wrote {path}; evaluate with it: dart-eval tree={path}")
     return path
 
 
