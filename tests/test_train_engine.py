@@ -124,15 +124,18 @@ def test_exact_resume_after_kill(target, dataset, tmp_path: Path) -> None:
         assert torch.equal(a, b), k
 
 
-def test_resume_applies_changed_optimizer_settings(target, dataset, tmp_path: Path, caplog) -> None:
-    make_trainer(target, dataset, tmp_path, max_steps=2).train()  # checkpoint at step 2, lr 3e-3
+@pytest.mark.parametrize("stage", [0, 2])
+def test_resume_applies_changed_optimizer_settings(target, dataset, tmp_path: Path, caplog, stage: int) -> None:
+    make_trainer(target, dataset, tmp_path, max_steps=2, zero_stage=stage).train()  # checkpoint at 2, lr 3e-3
     changed = make_trainer(target, dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
-                           eps=1e-6, warmup_steps=1)
+                           eps=1e-6, warmup_steps=1, zero_stage=stage)
     with caplog.at_level("WARNING", logger="dart_train.engine"):
         assert changed.resume()
     schedule = cosine_with_warmup(total_steps=6, warmup_steps=1)
-    # What AdamW reads at its next step: this run's values, the LR at step 2 of the new schedule.
-    for group in changed.engine.optimizer.param_groups:
+    # What the torch AdamW inside DeepSpeed (ZeRO wraps it) reads at its next step: this run's values,
+    # the LR at step 2 of the new schedule.
+    assert isinstance(changed.engine.basic_optimizer, torch.optim.AdamW)
+    for group in changed.engine.basic_optimizer.param_groups:
         assert group["lr"] == pytest.approx(1e-3 * schedule(2))
         assert (group["betas"], group["weight_decay"], group["eps"]) == ((0.8, 0.99), 0.1, 1e-6)
     assert "resume: optim.lr: 0.003 -> 0.001" in caplog.text
@@ -143,9 +146,9 @@ def test_resume_applies_changed_optimizer_settings(target, dataset, tmp_path: Pa
     assert [r["lr"] for r in rows[2:]] == pytest.approx([1e-3 * schedule(k) for k in range(3, 7)])
     # Unchanged settings: resuming gives back the checkpoint's own optimiser values.
     again = make_trainer(target, dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
-                         eps=1e-6, warmup_steps=1)
+                         eps=1e-6, warmup_steps=1, zero_stage=stage)
     assert again.resume() and again.step == 6
-    assert again.engine.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * schedule(6))
+    assert again.engine.basic_optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * schedule(6))
 
 
 def test_resume_without_a_checkpoint_starts_the_metrics_again(target, dataset, tmp_path: Path) -> None:
