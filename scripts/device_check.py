@@ -50,7 +50,9 @@ def run_stage(name: str, overrides: list[str], out: Path, work: Path) -> tuple[s
 def budgets(dry_run: bool, steps: int | None, limit: int | None, max_new_tokens: int | None) -> dict[str, int]:
     sized = {"steps": 2, "limit": 1, "max_new_tokens": 8, "max_length": 256, "max_tokens": 512, "anchors": 16,
              "conversations": 16} if dry_run else {
-             "steps": 600, "limit": 40, "max_new_tokens": 256, "max_length": 2048, "max_tokens": 16384,
+             # Sized for one 10-minute call: install + build ~2 min, compile + 400 steps ~3 min, 7 methods
+             # x 20 prompts x 128 tokens ~2-3 min (SmolLM2 decodes at ~100-200 tokens/s, Python-bound).
+             "steps": 400, "limit": 20, "max_new_tokens": 128, "max_length": 2048, "max_tokens": 16384,
              "anchors": 512, "conversations": 0}
     for key, value in (("steps", steps), ("limit", limit), ("max_new_tokens", max_new_tokens)):
         if value is not None:
