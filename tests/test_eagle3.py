@@ -244,3 +244,26 @@ def test_sampling_emits_the_targets_distribution(temperature: float, top_k: int,
     assert chi_square_p_value(counts, expected) > 1e-3
     shifted = exact_joint(model, prompt, temperature * 1.25, top_k, top_p).sum(0)
     assert chi_square_p_value(counts, shifted) < 1e-3
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_smollm2_greedy_is_lossless(smollm2_dir: str, smollm2_tokenizer) -> None:
+    """Real shapes (9 heads / 3 KV heads, a 4,096-token draft vocabulary over 49,152): an MT-Bench
+    prompt, fp32, a random head with the CPU tree: token for token `generate(do_sample=False)`."""
+    from transformers import AutoModelForCausalLM
+
+    from dart_infer.conversations import load_conversations
+
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    torch.manual_seed(0)
+    head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(base.config, draft_vocab_size=4096))
+    head.set_vocab_mapping(torch.randperm(base.config.vocab_size)[:4096].sort().values)
+    model = Eagle3Model(base, head.eval(), smollm2_tokenizer)
+    assert model.tree.total_tokens == 12  # the CPU default
+    for conversation in load_conversations("mtbench", limit=1):
+        prompt = smollm2_tokenizer.apply_chat_template(
+            conversation.messages[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        expected = base.generate(prompt, do_sample=False, max_new_tokens=32)
+        assert torch.equal(model.eagle3_generate(prompt, max_new_token_num=32), expected), conversation.id
