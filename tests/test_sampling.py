@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-from dart_infer.sampling import Sampler, sampling_accept
+from dart_infer.sampling import Sampler, greedy_tokens, sampling_accept
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -166,3 +166,14 @@ def test_dart_sampling_emits_the_targets_distribution(temperature: float, top_k:
     # Negative control: the same counts reject the distribution at a slightly different temperature.
     shifted = exact_joint(model, prompt, temperature * 1.25, top_k, top_p).sum(0)
     assert chi_square_p_value(counts, shifted) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_take_the_lowest_index_among_ties_like_argmax(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        # Few distinct values: most rows have their maximum many times over.
+        logits = torch.randint(0, 3, (13, 49152), generator=generator).to(dtype)
+        logits[:, :100] = -1  # the first maximum never sits at index 0
+        assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
+        assert int(greedy_tokens(logits[0])) == int(torch.argmax(logits[0]))
