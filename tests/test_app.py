@@ -1,0 +1,289 @@
+"""dart-app in a real browser: the console script serves the page on a local port and headless
+Chromium (Debian's chromium + chromedriver, driven by Selenium) uses it like a person would.
+
+The model is a tiny random Llama with SmolLM2's tokenizer, a random head and a trie of the tiny
+model's own greedy continuations (so drafts get accepted), served in float32, where greedy DART must
+give exactly plain decoding's answer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dart_infer import DartDraftConfig, DartDraftModel, DartModel
+from dart_infer.assets import tokenizer_fingerprint
+from dart_infer.evaluate import chat_prompt
+from ngram_builder import NgramTrie
+
+DRAFT_VOCAB = 96
+VOCAB = 49152  # SmolLM2's tokenizer renders the chat template, so the tiny target shares its vocabulary
+PROMPTS = ["Explain speculative decoding in one sentence.", "Write a haiku about trees."]
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+READOUT = re.compile(r"([\d.]+) tokens/s · τ ([\d.]+) · accepted/step ([\d.]+) · (\d+) tokens in (\d+) steps")
+
+
+def _script(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    assert found, f"console script {name} is not installed (pip install -e .)"
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_files(smollm2_tokenizer, tmp_path_factory) -> dict[str, Path]:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, attn_implementation="sdpa",
+    )
+    base = LlamaForCausalLM(config).eval()
+    # As in test_generate's SmolLM2 test: the random head drafts over the tokens the tiny model emits
+    # and the trie (its own greedy continuations) ranks them, so drafts do get accepted.
+    trie = NgramTrie(order=3, vocab_size=VOCAB)
+    emitted: set[int] = set()
+    for text in PROMPTS:
+        ids = chat_prompt(smollm2_tokenizer, [{"role": "user", "content": text}])
+        out = base.generate(ids[None], do_sample=False, max_new_tokens=40, pad_token_id=2)
+        trie.add_tokens(out[0].tolist() + [2])
+        emitted.update(out[0, ids.numel():].tolist())
+    assert len(emitted) <= DRAFT_VOCAB
+    padding = [t for t in range(3, VOCAB) if t not in emitted][: DRAFT_VOCAB - len(emitted)]
+    draft_vocab = sorted(emitted.union(padding))
+    head = DartDraftModel(
+        DartDraftConfig.from_target_config(config, draft_length=4, draft_vocab_size=DRAFT_VOCAB)
+    ).eval()
+    head.set_vocab_mapping(torch.tensor(draft_vocab))
+    trie.tokenizer_fingerprint = tokenizer_fingerprint(smollm2_tokenizer)
+    root = tmp_path_factory.mktemp("tiny_app")
+    base.save_pretrained(root / "base")
+    smollm2_tokenizer.save_pretrained(root / "base")
+    head.save_pretrained(root / "head")
+    trie.save(root / "tiny.trie")
+    return {"root": root, "base": root / "base", "head": root / "head", "trie": root / "tiny.trie"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tiny_files) -> Iterator[str]:
+    port = _free_port()
+    log = tiny_files["root"] / "app.log"
+    command = [
+        _script("dart-app"), "model=custom", f"model.name_or_path={tiny_files['base']}",
+        f"draft_model={tiny_files['head']}", f"ngram_model={tiny_files['trie']}", "serve_dtype=float32",
+        f"tree.draft_top_k={DRAFT_VOCAB}", "tree.beam_width=4", "tree.remain_total=8", "tree.ngram_weight=2.0",
+        "++tree.ngram_on_first_level=true", f"port={port}", "max_new_tokens=32",
+        "concurrency=4", "max_length=4096", "updates_per_second=4", f"hydra.run.dir={tiny_files['root'] / 'run'}",
+    ]
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"dart-app exited with {server.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"dart-app did not serve {url} within 120 s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    for path in (CHROMIUM, CHROMEDRIVER):
+        assert Path(path).exists(), f"{path} is missing: `make venv` installs Debian's chromium and chromium-driver"
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1800"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+# ------------------------------------------------------------------------------------ page helpers
+
+
+def _open(driver, url: str) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(url)
+    WebDriverWait(driver, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#send"))
+
+
+def _text(driver, selector: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, selector)
+    return found[0].get_attribute("textContent") if found else ""
+
+
+def _wait_text(driver, selector: str, pattern: str, timeout: float = 60) -> str:
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: re.search(pattern, _text(d, selector)))
+    except TimeoutException:
+        seen = {s: _text(driver, s) for s in ("#notices", "#chat-status", "#chat-stats", "#sbs-status")}
+        raise AssertionError(f"{selector} never matched {pattern!r} in {timeout} s; the page shows {seen}") from None
+    return _text(driver, selector)
+
+
+def _type(driver, selector: str, text: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    box = driver.find_element(By.CSS_SELECTOR, f"{selector} textarea, {selector} input")
+    box.clear()
+    box.send_keys(text)
+
+
+def _click(driver, selector: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.CSS_SELECTOR, selector).click()
+
+
+def _tab(driver, name: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    buttons = [b for b in driver.find_elements(By.CSS_SELECTOR, "button[role='tab']") if b.text.strip() == name]
+    assert buttons, f"no tab named {name!r}"
+    buttons[0].click()
+
+
+def _readout(text: str) -> dict[str, float]:
+    match = READOUT.search(text)
+    assert match, f"no tokens/s · τ readout in {text!r}"
+    tps, tau, accepted, tokens, steps = match.groups()
+    return {"tps": float(tps), "tau": float(tau), "accepted": float(accepted), "tokens": int(tokens), "steps": int(steps)}
+
+
+def _expected_answer(tiny_files, prompt: str, max_new: int) -> str:
+    model = DartModel.from_pretrained(str(tiny_files["base"]), str(tiny_files["head"]), dtype="float32")
+    ids = chat_prompt(model.tokenizer, [{"role": "user", "content": prompt}])
+    out = model.base_model.generate(ids[None], do_sample=False, max_new_tokens=max_new, pad_token_id=2)
+    return model.tokenizer.decode(out[0, ids.numel():], skip_special_tokens=True)
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+def test_side_by_side_dart_and_plain_decoding_give_the_same_answer(app_url, browser, tiny_files) -> None:
+    from selenium.webdriver.common.by import By
+
+    _open(browser, app_url)
+    _tab(browser, "Side by side")
+    _type(browser, "#sbs-prompt", PROMPTS[0])
+    _click(browser, "#sbs-run")
+    _wait_text(browser, "#sbs-status", r"done: DART then AR")
+    left, right = _text(browser, "#sbs-a-out .answer"), _text(browser, "#sbs-b-out .answer")
+    assert left and left == right  # greedy, float32: lossless
+    # ... and both are the base model's own greedy answer (transformers' generate).
+    assert left == _expected_answer(tiny_files, PROMPTS[0], 32)
+    dart = _readout(_text(browser, "#sbs-a-out .stats"))
+    plain = _readout(_text(browser, "#sbs-b-out .stats"))
+    assert dart["tokens"] == plain["tokens"] == 32 and dart["tps"] > 0 and plain["tps"] > 0
+    assert plain["tau"] == 1.0 and plain["accepted"] == 0.0
+    assert dart["tau"] > 1.0 and dart["steps"] < plain["steps"]  # the trie holds this answer: drafts accepted
+    bars = browser.find_elements(By.CSS_SELECTOR, "#sbs-a-out .step-bar")
+    assert len(bars) == dart["steps"]
+    accepted = [int(b.get_attribute("data-accepted")) for b in bars]
+    assert sum(accepted) > 0 and sum(accepted) == round(dart["accepted"] * dart["steps"])
+    assert browser.find_elements(By.CSS_SELECTOR, "#sbs-a-out .answer .drafted")  # drafted tokens coloured
+    assert not browser.find_elements(By.CSS_SELECTOR, "#sbs-b-out .answer .drafted")
+
+
+def test_chat_switches_methods_regenerates_and_clears(app_url, browser) -> None:
+    from selenium.webdriver.common.by import By
+
+    _open(browser, app_url)
+    _type(browser, "#prompt", PROMPTS[1])
+    _click(browser, "#send")
+    _wait_text(browser, "#chat-status", r"DART: done")
+    stats = _readout(_text(browser, "#chat-stats"))
+    assert stats["tokens"] == 32 and stats["tps"] > 0 and stats["tau"] > 1.0
+    assert PROMPTS[1] in _text(browser, "#chat")
+    dart_answer = _text(browser, "#chat .drafted")  # the answer's accepted drafts, coloured
+    assert dart_answer
+    bot = browser.find_elements(By.CSS_SELECTOR, "#chat .answer")[-1].get_attribute("textContent")
+    assert bot
+    # The plain baseline on the same conversation: Regenerate with the radio on AR.
+    labels = [el for el in browser.find_elements(By.CSS_SELECTOR, "#method label") if el.text.strip() == "AR (plain)"]
+    assert labels, "no AR choice in the method radio"
+    labels[0].click()
+    _click(browser, "#regenerate")
+    _wait_text(browser, "#chat-status", r"AR \(plain\): done")
+    assert _readout(_text(browser, "#chat-stats"))["tau"] == 1.0
+    answers = browser.find_elements(By.CSS_SELECTOR, "#chat .answer")
+    assert len(answers) == 1 and answers[0].get_attribute("textContent") == bot  # replaced, and the same text
+    _click(browser, "#clear")
+    _wait_text(browser, "#chat-stats", r"tokens/s –")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#chat .answer") and PROMPTS[1] not in _text(browser, "#chat")
+
+
+def test_bad_settings_are_named_and_stop_really_stops(app_url, browser) -> None:
+    _open(browser, app_url)
+    _type(browser, "#top-k", "-3")
+    _type(browser, "#prompt", "Hello")
+    _click(browser, "#send")
+    assert "top-k must be >= 0" in _wait_text(browser, "#chat-status", "top-k")
+    _type(browser, "#top-k", "0")
+    # A long answer: while it streams, another request (the side-by-side view) is served meanwhile.
+    _type(browser, "#max-new-tokens", "1500")
+    _click(browser, "#send")
+    _wait_text(browser, "#chat-stats", r"generating")
+    _type(browser, "#max-new-tokens", "8")  # for the next request; the running one read 1500 when it started
+    _tab(browser, "Side by side")
+    _type(browser, "#sbs-prompt", PROMPTS[0])
+    _click(browser, "#sbs-run")
+    _wait_text(browser, "#sbs-status", r"done: DART then AR")
+    assert _readout(_text(browser, "#sbs-b-out .stats"))["tokens"] == 8
+    _tab(browser, "Chat")
+    assert "generating" in _text(browser, "#chat-stats")  # the long answer was still going
+    _click(browser, "#stop")
+    _wait_text(browser, "#chat-status", "DART: stopped")
+    time.sleep(1.0)
+    first = _readout(_text(browser, "#chat-stats"))
+    time.sleep(1.5)
+    second = _readout(_text(browser, "#chat-stats"))
+    assert first == second and second["tokens"] < 1500  # nothing arrives after Stop
+    assert "stopped" in _text(browser, "#chat-stats")
