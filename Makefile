@@ -17,8 +17,11 @@ $(VENV)/.deps-stamp: pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt torch
 	$(PIP) install -q -c constraints.txt "transformers" "tokenizers" "datasets" "deepspeed" \
 	    "hydra-core" "omegaconf" "safetensors" "numpy" "tqdm" "gguf" "accelerate" "filelock" \
-	    "wandb" "matplotlib" "pybind11" "scikit-build-core" "pytest" "ruff"
+	    "wandb" "matplotlib" "pybind11" "scikit-build-core" "pytest" "ruff" "gradio" "selenium"
 	$(PIP) install -q --no-deps $(ASSETS)
+	# dart-app's browser test drives Debian's Chromium + ChromeDriver with Selenium (no browser download).
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	    { apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 	touch $@
 
 venv: $(VENV)/.deps-stamp
