@@ -416,7 +416,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from dart_infer.conversations import load_conversations
     from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
     from dart_train.dataset import build_dataset
-    from dart_train.engine import DartTrainer, estimate_step_memory, init_distributed
+    from dart_train.engine import (
+        DartTrainer,
+        check_resumable,
+        estimate_step_memory,
+        init_distributed,
+        saved_rank_state,
+    )
     from dart_train.vocab import build_vocab_mapping
 
     if cfg.output_dir:
@@ -441,7 +447,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     settings = settings_from_config(cfg)  # validate before the expensive loading
     init_distributed()
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
+    saved_state = saved_rank_state(run_dir / "checkpoints") if resuming else None
+    if saved_state is not None:  # refuse what the checkpoint cannot continue with before any work
+        check_resumable(saved_state[1], saved_state[0], settings, int(os.environ.get("WORLD_SIZE", "1")))
+    if rank == 0:  # after that check: a refused resume leaves the saved config as it was
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     target, tokenizer, embedding = _load_target(cfg)

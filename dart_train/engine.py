@@ -277,6 +277,49 @@ _WHY_REFUSED = {
 RANK_STATE = "rank_state_{rank:05d}.pt"
 
 
+def check_resumable(saved: Mapping[str, Any], tag: str, settings: TrainSettings, world: int) -> list[str]:
+    """Refuse (`ResumeError`) what checkpoint `tag` (a saved rank state) cannot continue with under
+    `settings` and `world` ranks; returns the changes that will be applied, as text."""
+    saved_world = int(saved.get("world_size", 1))
+    if saved_world != world:
+        raise ResumeError(
+            f"checkpoint {tag} was written by {saved_world} rank(s), this run has {world}: each rank "
+            f"resumes its own data position and RNGs. Launch {saved_world} rank(s) to resume it, or start "
+            f"a new run from its exported head (draft.init_from=<run>/head)."
+        )
+    old = dict(saved.get("settings") or {})
+    if "betas" in old:
+        old["betas"] = tuple(float(b) for b in old["betas"])
+    changes, refused = [], []
+    for key, value in asdict(settings).items():
+        if key not in old or old[key] == value:
+            continue
+        name = _CONFIG_KEYS.get(key, key)
+        if key in _APPLIED_ON_RESUME:
+            changes.append(f"{name}: {old[key]!r} -> {value!r}")
+        else:
+            why = _WHY_REFUSED.get(key, "it is not applied to a restored run")
+            refused.append(f"{name}: the checkpoint has {old[key]!r}, this run {value!r} ({why}); "
+                           f"resume with {name}={old[key]!r}")
+    if refused:
+        raise ResumeError(
+            f"cannot resume checkpoint {tag} with changed settings:\n  " + "\n  ".join(refused)
+            + "\nor start a new run from its exported head (draft.init_from=<run>/head)."
+        )
+    return changes
+
+
+def saved_rank_state(checkpoint_dir: str | os.PathLike[str]) -> tuple[str, dict[str, Any]] | None:
+    """(tag, rank 0's saved state) of the newest checkpoint in `checkpoint_dir`, or None (none, or
+    written before per-rank states)."""
+    pointer = Path(checkpoint_dir) / "latest"
+    if not pointer.is_file():
+        return None
+    tag = pointer.read_text().strip()
+    path = Path(checkpoint_dir) / tag / RANK_STATE.format(rank=0)
+    return (tag, torch.load(path, weights_only=False)) if path.is_file() else None
+
+
 def _anchor_seed(seed: int, global_micro: int) -> int:
     """Seed of the anchor sample of one micro-batch, from its position in the global batch order."""
     return (seed * 1_000_003 + 7919 * global_micro + 1) % (2**63 - 1)
@@ -581,35 +624,7 @@ class DartTrainer:
         return pointer.read_text().strip() if pointer.is_file() else None
 
     def _check_resumable(self, saved: Mapping[str, Any], tag: str) -> list[str]:
-        """Refuse what a checkpoint cannot continue with; returns the changes that will be applied."""
-        rank, world = rank_and_world_size()
-        saved_world = int(saved.get("world_size", 1))
-        if saved_world != world:
-            raise ResumeError(
-                f"checkpoint {tag} was written by {saved_world} rank(s), this run has {world}: each rank "
-                f"resumes its own data position and RNGs. Launch {saved_world} rank(s) to resume it, or start "
-                f"a new run from its exported head (draft.init_from=<run>/head)."
-            )
-        old = dict(saved.get("settings") or {})
-        if "betas" in old:
-            old["betas"] = tuple(float(b) for b in old["betas"])
-        changes, refused = [], []
-        for key, value in asdict(self.settings).items():
-            if key not in old or old[key] == value:
-                continue
-            name = _CONFIG_KEYS.get(key, key)
-            if key in _APPLIED_ON_RESUME:
-                changes.append(f"{name}: {old[key]!r} -> {value!r}")
-            else:
-                why = _WHY_REFUSED.get(key, "it is not applied to a restored run")
-                refused.append(f"{name}: the checkpoint has {old[key]!r}, this run {value!r} ({why}); "
-                               f"resume with {name}={old[key]!r}")
-        if refused:
-            raise ResumeError(
-                f"cannot resume checkpoint {tag} with changed settings:\n  " + "\n  ".join(refused)
-                + "\nor start a new run from its exported head (draft.init_from=<run>/head)."
-            )
-        return changes
+        return check_resumable(saved, tag, self.settings, rank_and_world_size()[1])
 
     def _apply_optimizer_settings(self) -> None:
         """Put this run's optimiser settings and schedule into the restored optimiser/LambdaLR.

@@ -120,6 +120,12 @@ def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversati
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(line) and "eval/tau" not in json.loads(line)]
     assert steps == [1, 2, 3, 4, 5]
+    # A change the checkpoint cannot continue with is refused, saying how; an optimiser one is applied.
+    refused = run_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=6", "trainer.zero_stage=2"], tmp_path)
+    assert refused.returncode != 0 and "resume with trainer.zero_stage=0" in refused.stderr
+    applied = run_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=6", "optim.lr=0.5"], tmp_path)
+    assert applied.returncode == 0, applied.stderr[-4000:]
+    assert "resume: optim.lr: 2e-05 -> 0.5 (applied to the restored optimiser/schedule)" in applied.stdout + applied.stderr
 
 
 def _compose(*extra: str):
