@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
 from dart_infer.decoding import tree_steps
 from dart_infer.generate import DartModel
@@ -216,8 +216,6 @@ class Eagle3DraftModel(PreTrainedModel):
         self, attn_in: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q [B,h,S,D] and k, v [B,hkv,S,D] of the draft layer (training's own attention)."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         attn = self.midlayer.self_attn
         batch, seq, _ = attn_in.shape
         q = attn.q_proj(attn_in).view(batch, seq, attn.num_heads, attn.head_dim).transpose(1, 2)
@@ -295,7 +293,7 @@ def _tree_from_candidates(
     node_of = {c: i + 1 for i, c in enumerate(chosen)}
     n = len(chosen) + 1
     node_tokens = torch.tensor([root] + [tokens[c] for c in chosen], dtype=torch.long)
-    node_parents = torch.tensor([-1] + [node_of.get(parents[c], 0) for c in chosen], dtype=torch.long)
+    node_parents = torch.tensor([-1] + [node_of[parents[c]] if parents[c] >= 0 else 0 for c in chosen], dtype=torch.long)
     positions = torch.tensor([0] + [depths[c] for c in chosen], dtype=torch.long)
     mask = torch.eye(n, dtype=torch.bool)
     for node in range(1, n):  # parents come first: copy the parent's row
