@@ -25,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.assets import tokenizer_fingerprint
+from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
 from dart_infer.evaluate import chat_prompt
 from ngram_builder import NgramTrie
 
@@ -72,8 +73,10 @@ def tiny_files(smollm2_tokenizer, tmp_path_factory) -> dict[str, Path]:
     base.save_pretrained(root / "base")
     smollm2_tokenizer.save_pretrained(root / "base")
     head.save_pretrained(root / "head")
+    Eagle3DraftModel(Eagle3DraftConfig.from_target_config(config, draft_vocab_size=4096)).save_pretrained(root / "eagle3")
     trie.save(root / "tiny.trie")
-    return {"root": root, "base": root / "base", "head": root / "head", "trie": root / "tiny.trie"}
+    return {"root": root, "base": root / "base", "head": root / "head", "trie": root / "tiny.trie",
+            "eagle3": root / "eagle3"}
 
 
 def _free_port() -> int:
@@ -88,7 +91,8 @@ def app_url(tiny_files) -> Iterator[str]:
     log = tiny_files["root"] / "app.log"
     command = [
         _script("dart-app"), "model=custom", f"model.name_or_path={tiny_files['base']}",
-        f"draft_model={tiny_files['head']}", f"ngram_model={tiny_files['trie']}", "serve_dtype=float32",
+        f"draft_model={tiny_files['head']}", f"ngram_model={tiny_files['trie']}", f"eagle3_model={tiny_files['eagle3']}",
+        "serve_dtype=float32",
         f"tree.draft_top_k={DRAFT_VOCAB}", "tree.beam_width=4", "tree.remain_total=8", "tree.ngram_weight=2.0",
         "++tree.ngram_on_first_level=true", f"port={port}", "max_new_tokens=32",
         "concurrency=4", "max_length=4096", "updates_per_second=4", f"hydra.run.dir={tiny_files['root'] / 'run'}",
@@ -246,15 +250,17 @@ def test_chat_switches_methods_regenerates_and_clears(app_url, browser) -> None:
     assert dart_answer
     bot = browser.find_elements(By.CSS_SELECTOR, "#chat .answer")[-1].get_attribute("textContent")
     assert bot
-    # The plain baseline on the same conversation: Regenerate with the radio on AR.
-    labels = [el for el in browser.find_elements(By.CSS_SELECTOR, "#method label") if el.text.strip() == "AR (plain)"]
-    assert labels, "no AR choice in the method radio"
-    labels[0].click()
-    _click(browser, "#regenerate")
-    _wait_text(browser, "#chat-status", r"AR \(plain\): done")
-    assert _readout(_text(browser, "#chat-stats"))["tau"] == 1.0
-    answers = browser.find_elements(By.CSS_SELECTOR, "#chat .answer")
-    assert len(answers) == 1 and answers[0].get_attribute("textContent") == bot  # replaced, and the same text
+    choices = [el.text.strip() for el in browser.find_elements(By.CSS_SELECTOR, "#method label")]
+    assert choices == ["DART", "AR (plain)", "EAGLE-3"]
+    # The plain baseline and EAGLE-3 on the same conversation: Regenerate with the radio on each.
+    for choice in ("AR (plain)", "EAGLE-3"):
+        browser.find_elements(By.CSS_SELECTOR, "#method label")[choices.index(choice)].click()
+        _click(browser, "#regenerate")
+        _wait_text(browser, "#chat-status", re.escape(choice) + ": done")
+        stats = _readout(_text(browser, "#chat-stats"))
+        assert stats["tokens"] == 32 and (stats["tau"] == 1.0 if choice.startswith("AR") else stats["tau"] >= 1.0)
+        answers = browser.find_elements(By.CSS_SELECTOR, "#chat .answer")
+        assert len(answers) == 1 and answers[0].get_attribute("textContent") == bot, choice  # replaced, same text
     _click(browser, "#clear")
     _wait_text(browser, "#chat-stats", r"tokens/s –")
     assert not browser.find_elements(By.CSS_SELECTOR, "#chat .answer") and PROMPTS[1] not in _text(browser, "#chat")
@@ -287,3 +293,47 @@ def test_bad_settings_are_named_and_stop_really_stops(app_url, browser) -> None:
     second = _readout(_text(browser, "#chat-stats"))
     assert first == second and second["tokens"] < 1500  # nothing arrives after Stop
     assert "stopped" in _text(browser, "#chat-stats")
+
+
+def test_what_cannot_be_loaded_is_said_on_the_page_and_the_rest_serves(tiny_files, tmp_path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from dart_infer.app import AR, DART, DART_NO_TRIE, EAGLE3
+    from dart_infer.app.ui import build_ui
+    from dart_infer.cli import configs_dir
+    from dart_infer.cli.app import build_engine
+
+    def engine(*overrides: str):
+        with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
+            cfg = compose("app", overrides=[
+                "model=custom", f"model.name_or_path={tiny_files['base']}", "serve_dtype=float32",
+                f"default_ngram_model={tmp_path / 'none.ngt'}", *overrides,
+            ])
+        return build_engine(cfg)
+
+    no_head = engine(f"draft_model={tmp_path / 'missing-head'}", f"eagle3_model={tiny_files['head']}")
+    assert no_head.method_names == [AR]  # a DART head is not an EAGLE-3 head: named, not listed
+    notes = "\n".join(no_head.notices)
+    assert f"draft_model={tmp_path / 'missing-head'} could not be loaded" in notes and "plain decoding only" in notes
+    assert "EAGLE-3 is off" in notes
+    notices = next(b for b in build_ui(no_head).blocks.values() if getattr(b, "elem_id", None) == "notices")
+    assert "could not be loaded" in notices.value and notices.visible
+    none = engine("draft_model=null")
+    assert none.method_names == [AR] and "No DART head given" in none.notices[0]
+
+    no_trie = engine(f"draft_model={tiny_files['head']}", f"eagle3_model={tiny_files['eagle3']}")
+    assert no_trie.method_names == [DART_NO_TRIE, AR, EAGLE3]
+    assert any(f"No n-gram trie at {tmp_path / 'none.ngt'}" in n for n in no_trie.notices)
+    missing = engine(f"draft_model={tiny_files['head']}", f"ngram_model={tmp_path / 'gone.ngt'}")
+    assert missing.method_names == [DART_NO_TRIE, AR] and "no such trie" in missing.notices[0]
+    with_trie = engine(f"draft_model={tiny_files['head']}", f"ngram_model={tiny_files['trie']}")
+    assert with_trie.method_names == [DART, AR] and not with_trie.notices
+
+    # Bad settings name the control; the engine refuses them before decoding.
+    from dart_infer.app import Decoding
+
+    for controls, message in [((0, 1.5, 0, 8, 16), "top-p must be in [0, 1]"), ((-1, 0, 0, 8, 16), "temperature"),
+                              ((0, 0, 2.5, 8, 16), "top-k must be a whole number"), ((0, 0, 0, 0, 16), "tree size"),
+                              ((0, 0, 0, 8, None), "max new tokens is empty")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Decoding.from_controls(*controls)

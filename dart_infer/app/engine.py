@@ -259,25 +259,26 @@ def throttle(answers: Iterator[Answer], interval: float) -> Iterator[Answer]:
             yield answer
 
 
-def load_eagle3_stream(model: Any, path: str) -> StreamFn:
-    """The EAGLE-3 method for the page: a head at `path` served on `model`'s base model.
+def load_eagle3_stream(model: Any, path: str, max_length: int = 2048) -> StreamFn:
+    """The EAGLE-3 method: the head at `path` (`dart_infer.eagle3`) on `model`'s base model (shared,
+    not copied), decoding through the same loop as DART; the page's tree size is its `total_tokens`.
+    Raises with the reason when the head cannot be loaded or does not fit the base model."""
+    from dart_infer.assets import resolve_model
+    from dart_infer.dtypes import cast_parameters
+    from dart_infer.eagle3 import Eagle3Model, load_eagle3_model
 
-    The hook `dart_infer.eagle3` fills: a `load_eagle3_stream(model, path)` there returning a
-    function with `StreamFn`'s arguments (prompt ids, `Decoding`, generator) that yields `StepOutput`s
-    like `dart_generate_stream`. Until that exists this raises a RuntimeError saying so.
-    """
-    try:
-        from dart_infer import eagle3  # type: ignore[attr-defined]
-    except ImportError as err:
-        raise RuntimeError(
-            f"eagle3_model={path} is set, but this build has no EAGLE-3 decoder yet (dart_infer.eagle3: {err})"
-        ) from None
-    loader = getattr(eagle3, "load_eagle3_stream", None)
-    if loader is None:
-        raise RuntimeError(
-            f"eagle3_model={path} is set, but dart_infer.eagle3 has no load_eagle3_stream(model, path) for the app yet"
+    weight = model.base_model.get_input_embeddings().weight
+    head = cast_parameters(load_eagle3_model(resolve_model(path)).to(weight.device), weight.dtype)
+    eagle3 = Eagle3Model(model.base_model, head.eval(), model.tokenizer).eval()
+
+    def stream(ids: torch.Tensor, d: Decoding, generator: torch.Generator) -> Iterator[StepOutput]:
+        tree = None if d.tree_size is None else {"total_tokens": d.tree_size}
+        return eagle3.eagle3_generate_stream(
+            ids, d.temperature, d.top_p, d.top_k, d.max_new_tokens, max_length, generator=generator,
+            tree=tree,
         )
-    return loader(model, path)
+
+    return stream
 
 
 # ------------------------------------------------------------------------------------- rendering

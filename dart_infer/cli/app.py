@@ -126,7 +126,7 @@ def build_engine(cfg: DictConfig) -> Any:
     eagle3 = None
     if cfg.eagle3_model:
         try:
-            eagle3 = load_eagle3_stream(model, str(cfg.eagle3_model))
+            eagle3 = load_eagle3_stream(model, str(cfg.eagle3_model), int(cfg.max_length))
         except Exception as err:  # the page names the reason; the other methods still serve
             notices.append(f"EAGLE-3 is off: {err}")
     if dtype != "float32":
