@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ENTRY_POINTS = ["dart-train", "dart-ngram", "dart-eval", "dart-demo"]
+ENTRY_POINTS = ["dart-train", "dart-ngram", "dart-eval", "dart-demo", "dart-app"]
 
 
 def _script(name: str) -> str:
