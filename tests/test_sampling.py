@@ -7,6 +7,7 @@ power to reject a distribution that is only slightly different.
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -141,12 +142,11 @@ def exact_joint(
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 0.0), (0.8, 6, 0.9)])
-def test_dart_sampling_emits_the_targets_distribution(temperature: float, top_k: int, top_p: float) -> None:
+def check_first_step_follows_the_target(model: Any, generate: Any, temperature: float, top_k: int, top_p: float) -> None:
     """Tokens 2 and 3 come from the first verification step (accepted draft tokens or bonus): their
-    joint distribution, over all first tokens, must be the target's."""
-    vocab = 10
-    model = tiny_dart(vocab)
+    joint distribution, over all first tokens, must be the target's. `generate`: a speculative
+    method of `model` with `dart_generate`'s arguments (DART's, EAGLE-3's)."""
+    vocab = model.base_model.config.vocab_size
     prompt = torch.tensor([[1, 4, 7, 2]])
     expected = exact_joint(model, prompt, temperature, top_k, top_p).sum(0)
     generator = torch.Generator().manual_seed(11)
@@ -154,7 +154,7 @@ def test_dart_sampling_emits_the_targets_distribution(temperature: float, top_k:
     accepted = 0
     draws = 2000
     for _ in range(draws):
-        out, stats = model.dart_generate(
+        out, stats = generate(
             prompt, temperature, top_p, top_k, max_new_token_num=3, generator=generator, return_stats=True
         )
         x2, x3 = out[0, 5:].tolist()
@@ -166,6 +166,12 @@ def test_dart_sampling_emits_the_targets_distribution(temperature: float, top_k:
     # Negative control: the same counts reject the distribution at a slightly different temperature.
     shifted = exact_joint(model, prompt, temperature * 1.25, top_k, top_p).sum(0)
     assert chi_square_p_value(counts, shifted) < 1e-3
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 0.0), (0.8, 6, 0.9)])
+def test_dart_sampling_emits_the_targets_distribution(temperature: float, top_k: int, top_p: float) -> None:
+    model = tiny_dart(10)
+    check_first_step_follows_the_target(model, model.dart_generate, temperature, top_k, top_p)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
