@@ -23,8 +23,9 @@ and `t2d` (bool [vocab]); `embed_tokens.weight` is accepted on load and never sa
 used, as vLLM does when it is absent). `config.json`: a Llama config with `architectures:
 ["LlamaForCausalLMEagle3"]`, `num_hidden_layers: 1`, `draft_vocab_size`, `target_hidden_size` and
 `eagle_aux_hidden_state_layer_ids` (vLLM's name; the INPUTS of those target layers, i.e.
-`hidden_states[i]` of a transformers forward, (2, L//2, L-3) by default as vLLM picks them); `ttt_length`
-(training-time-test steps) is ours and ignored by other loaders.
+`hidden_states[i]` of a transformers forward, (2, L//2, L-3) by default as vLLM picks them) and
+vLLM's `norm_before_residual` (default false); `ttt_length` (training-time-test steps) is ours and
+ignored by other loaders.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class Eagle3DraftConfig(LlamaConfig):
     target_hidden_size: int | None = None
     eagle_aux_hidden_state_layer_ids: list[int] | None = None
     ttt_length: int = 7
+    # vLLM's option for heads trained that way: the residual stream starts from hidden_norm(hidden).
+    norm_before_residual: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.draft_vocab_size is None:
@@ -192,7 +195,8 @@ class Eagle3DraftModel(PreTrainedModel):
     def layer_output(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-norm output h [.., H] — the next step's hidden —, logits [.., draft_vocab])."""
         layer = self.midlayer
-        out = hidden + attn_out
+        residual = layer.hidden_norm(hidden) if self.config.norm_before_residual else hidden
+        out = residual + attn_out
         out = out + layer.mlp(layer.post_attention_layernorm(out))
         return out, self.lm_head(self.norm(out))
 

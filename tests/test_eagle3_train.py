@@ -23,9 +23,13 @@ def tiny_target(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-def tiny_eagle3(target: LlamaForCausalLM, ttt_length: int = 7, seed: int = 1) -> Eagle3DraftModel:
+def tiny_eagle3(
+    target: LlamaForCausalLM, ttt_length: int = 7, seed: int = 1, norm_before_residual: bool = False
+) -> Eagle3DraftModel:
     torch.manual_seed(seed)
-    cfg = Eagle3DraftConfig.from_target_config(target.config, draft_vocab_size=DRAFT_VOCAB, ttt_length=ttt_length)
+    cfg = Eagle3DraftConfig.from_target_config(
+        target.config, draft_vocab_size=DRAFT_VOCAB, ttt_length=ttt_length, norm_before_residual=norm_before_residual
+    )
     head = Eagle3DraftModel(cfg).eval()
     head.set_target_embedding(target.get_input_embeddings().weight)
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:DRAFT_VOCAB].sort().values
@@ -36,10 +40,10 @@ def tiny_eagle3(target: LlamaForCausalLM, ttt_length: int = 7, seed: int = 1) ->
     return head
 
 
-@pytest.mark.parametrize("ttt_length", [1, 3, 7])
-def test_ttt_forward_equals_the_inference_loop_step_by_step(ttt_length: int) -> None:
+@pytest.mark.parametrize(("ttt_length", "norm_before_residual"), [(1, False), (3, False), (7, False), (7, True)])
+def test_ttt_forward_equals_the_inference_loop_step_by_step(ttt_length: int, norm_before_residual: bool) -> None:
     target = tiny_target()
-    head = tiny_eagle3(target, ttt_length)
+    head = tiny_eagle3(target, ttt_length, norm_before_residual=norm_before_residual)
     states = TargetModel(target, head.config.aux_layer_ids)
     lengths = [23, 17]
     input_ids = torch.randint(0, VOCAB, (2, max(lengths)), generator=torch.Generator().manual_seed(5))
