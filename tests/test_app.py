@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -85,23 +86,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def app_url(tiny_files) -> Iterator[str]:
+@contextmanager
+def serving(overrides: list[str], run_dir: Path, timeout: float = 120) -> Iterator[str]:
+    """`dart-app <overrides>` on a free local port; yields its URL once the page answers."""
     port = _free_port()
-    log = tiny_files["root"] / "app.log"
-    command = [
-        _script("dart-app"), "model=custom", f"model.name_or_path={tiny_files['base']}",
-        f"draft_model={tiny_files['head']}", f"ngram_model={tiny_files['trie']}", f"eagle3_model={tiny_files['eagle3']}",
-        "serve_dtype=float32",
-        f"tree.draft_top_k={DRAFT_VOCAB}", "tree.beam_width=4", "tree.remain_total=8", "tree.ngram_weight=2.0",
-        "++tree.ngram_on_first_level=true", f"port={port}", "max_new_tokens=32",
-        "concurrency=4", "max_length=4096", "updates_per_second=4", f"hydra.run.dir={tiny_files['root'] / 'run'}",
-    ]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "app.log"
+    command = [_script("dart-app"), *overrides, f"port={port}", f"hydra.run.dir={run_dir}"]
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     url = f"http://127.0.0.1:{port}/"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while True:
             if server.poll() is not None:
                 pytest.fail(f"dart-app exited with {server.returncode}:\n{log.read_text()[-4000:]}")
@@ -112,7 +108,7 @@ def app_url(tiny_files) -> Iterator[str]:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"dart-app did not serve {url} within 120 s:\n{log.read_text()[-4000:]}")
+                pytest.fail(f"dart-app did not serve {url} within {timeout} s:\n{log.read_text()[-4000:]}")
             time.sleep(0.5)
         yield url
     finally:
@@ -121,6 +117,19 @@ def app_url(tiny_files) -> Iterator[str]:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+@pytest.fixture(scope="module")
+def app_url(tiny_files) -> Iterator[str]:
+    overrides = [
+        "model=custom", f"model.name_or_path={tiny_files['base']}", f"draft_model={tiny_files['head']}",
+        f"ngram_model={tiny_files['trie']}", f"eagle3_model={tiny_files['eagle3']}", "serve_dtype=float32",
+        f"tree.draft_top_k={DRAFT_VOCAB}", "tree.beam_width=4", "tree.remain_total=8", "tree.ngram_weight=2.0",
+        "++tree.ngram_on_first_level=true", "max_new_tokens=32", "concurrency=4", "max_length=4096",
+        "updates_per_second=4",
+    ]
+    with serving(overrides, tiny_files["root"] / "run") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -337,3 +346,29 @@ def test_what_cannot_be_loaded_is_said_on_the_page_and_the_rest_serves(tiny_file
                               ((0, 0, 0, 8, None), "max new tokens is empty")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             Decoding.from_controls(*controls)
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_smollm2_side_by_side_dart_equals_plain_decoding(browser, smollm2_dir, tmp_path) -> None:
+    """The real SmolLM2 and chat template behind the page, in float32: DART's answer is plain
+    decoding's. The head is random over the 64 most common ShareGPT tokens and the trie is the
+    default one when built (else DART runs without one), so τ is not the point here."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    torch.manual_seed(0)
+    head = DartDraftModel(DartDraftConfig.from_target_config(config, draft_length=4, draft_vocab_size=64)).eval()
+    head.set_vocab_mapping(torch.arange(64))
+    head.save_pretrained(tmp_path / "head")
+    overrides = [f"draft_model={tmp_path / 'head'}", "serve_dtype=float32", "max_new_tokens=24"]
+    with serving(overrides, tmp_path / "run", timeout=300) as url:
+        _open(browser, url)
+        _tab(browser, "Side by side")
+        _type(browser, "#sbs-prompt", "Name three primary colors.")
+        _click(browser, "#sbs-run")
+        _wait_text(browser, "#sbs-status", r"done: DART.* then AR", timeout=300)
+        left, right = _text(browser, "#sbs-a-out .answer"), _text(browser, "#sbs-b-out .answer")
+        assert len(left) > 20 and left == right
+        dart, plain = (_readout(_text(browser, f"#sbs-{side}-out .stats")) for side in "ab")
+        assert dart["tokens"] == plain["tokens"] <= 24 and dart["tps"] > 0 and plain["tps"] > 0
