@@ -270,6 +270,12 @@ def test_chat_switches_methods_regenerates_and_clears(app_url, browser) -> None:
         assert stats["tokens"] == 32 and (stats["tau"] == 1.0 if choice.startswith("AR") else stats["tau"] >= 1.0)
         answers = browser.find_elements(By.CSS_SELECTOR, "#chat .answer")
         assert len(answers) == 1 and answers[0].get_attribute("textContent") == bot, choice  # replaced, same text
+    # A second turn: the conversation so far is the prompt, the first answer stays as it was.
+    _type(browser, "#prompt", "And in French?")
+    _click(browser, "#send")
+    _wait_text(browser, "#chat-status", "EAGLE-3: done")
+    answers = browser.find_elements(By.CSS_SELECTOR, "#chat .answer")
+    assert len(answers) == 2 and answers[0].get_attribute("textContent") == bot and "And in French?" in _text(browser, "#chat")
     _click(browser, "#clear")
     _wait_text(browser, "#chat-stats", r"tokens/s –")
     assert not browser.find_elements(By.CSS_SELECTOR, "#chat .answer") and PROMPTS[1] not in _text(browser, "#chat")

@@ -41,11 +41,14 @@ def _status(text: str) -> str:
 
 
 def _chat_view(history: list[dict[str, str]], answer: Answer | None) -> list[dict[str, str]]:
-    """The chatbot's messages: the history as text, the newest answer with its drafted tokens coloured."""
-    view = [dict(m) for m in history]
-    if answer is not None and view and view[-1]["role"] == "assistant":
-        from dart_infer.app.engine import tokens_html
+    """The chatbot's messages as HTML (escaped text): the newest answer with its drafted tokens coloured."""
+    from dart_infer.app.engine import tokens_html
 
+    view = []
+    for m in history:
+        text = html.escape(m["content"])
+        view.append({"role": m["role"], "content": f'<div class="answer">{text}</div>' if m["role"] == "assistant" else text})
+    if answer is not None and view and view[-1]["role"] == "assistant":
         view[-1]["content"] = tokens_html(answer)
     return view
 
@@ -164,7 +167,8 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
                 answer = next(stream)
             except ValueError as err:
                 shown = history[:-1] if history and history[-1]["role"] == "user" else history
-                yield shown, shown, stats_html(None), steps_html(None, draft_length), _status(ERROR + str(err))
+                yield (_chat_view(shown, None), shown, stats_html(None), steps_html(None, draft_length),
+                       _status(ERROR + str(err)))
                 return
             history = [*history, {"role": "assistant", "content": ""}]
             while answer is not None:
@@ -180,7 +184,7 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
             run: RunFlag, message: str, history: list[dict[str, str]], method: str, *raw: Any
         ) -> Iterator[tuple[Any, ...]]:
             if not message or not message.strip():
-                yield history, history, gr.skip(), gr.skip(), _status(ERROR + "type a message first"), gr.skip()
+                yield gr.skip(), history, gr.skip(), gr.skip(), _status(ERROR + "type a message first"), gr.skip()
                 return
             turn = [*history, {"role": "user", "content": message}]
             for out in answer_turn(run, turn, method, *raw):
@@ -191,12 +195,13 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
         ) -> Iterator[tuple[Any, ...]]:
             last_user = max((i for i, m in enumerate(history) if m["role"] == "user"), default=None)
             if last_user is None:
-                yield history, history, gr.skip(), gr.skip(), _status(ERROR + "nothing to regenerate: send a message")
+                yield gr.skip(), history, gr.skip(), gr.skip(), _status(ERROR + "nothing to regenerate: send a message")
                 return
             yield from answer_turn(run, history[: last_user + 1], method, *raw)
 
-        def on_stop(run: RunFlag) -> str:
-            return _status("stopping…" if run.stop() else "nothing is running")
+        def on_stop(run: RunFlag) -> Any:
+            # A running generation says "stopped" itself: its last update could land before this one.
+            return gr.skip() if run.stop() else _status("nothing is running")
 
         def on_clear(run: RunFlag) -> tuple[Any, ...]:
             run.supersede()
