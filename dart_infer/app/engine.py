@@ -2,8 +2,9 @@
 streamed answer per call, and the HTML the page shows for it.
 
 Every method streams through the one decoding loop of `dart_infer.decoding` (`dart_generate_stream`,
-`ar_generate_stream` of `DartModel`), one yield per verification step, so the page updates per step
-and a stopped request stops within one step.
+`ar_generate_stream` of `DartModel`, `eagle3_generate_stream` of `Eagle3Model`), one step per
+iteration; `Engine.stream` checks a stop request before every step, and `throttle` caps how often
+the page is updated without batching the steps themselves.
 """
 
 from __future__ import annotations

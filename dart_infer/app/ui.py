@@ -13,6 +13,7 @@ between two steps.
 from __future__ import annotations
 
 import html
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,6 +91,7 @@ class RunFlag:
 
 def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") -> Any:
     """The page. Launch it with `launch(css=CSS)` after `queue()` (see `dart_infer.cli.app`)."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # never phone home (read at import)
     import gradio as gr
 
     methods = engine.method_names

@@ -9,7 +9,6 @@ tokenizer) runs DART without one; an EAGLE-3 head that cannot be served is named
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +138,6 @@ def build_engine(cfg: DictConfig) -> Any:
 
 
 def launch(engine: Any, cfg: DictConfig) -> None:
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # never phone home
     from dart_infer.app.ui import CSS, build_ui
 
     demo = build_ui(engine)
