@@ -9,6 +9,7 @@ tokenizer) runs DART without one; an EAGLE-3 head that cannot be served is named
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -153,5 +154,9 @@ def _app(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """The `dart-app` console script."""
+    """The `dart-app` console script: `tree=<fit_tree.yaml or its run dir>` becomes that tree's settings
+    (as in `dart-eval`)."""
+    from dart_infer.cli.eval import tree_file_overrides
+
+    sys.argv[1:] = tree_file_overrides(sys.argv[1:])
     _app()
