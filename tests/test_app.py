@@ -343,10 +343,18 @@ def test_what_cannot_be_loaded_is_said_on_the_page_and_the_rest_serves(tiny_file
     assert missing.method_names == [DART_NO_TRIE, AR] and "no such trie" in missing.notices[0]
     with_trie = engine(f"draft_model={tiny_files['head']}", f"ngram_model={tiny_files['trie']}")
     assert with_trie.method_names == [DART, AR] and not with_trie.notices
-
-    # Bad settings name the control; the engine refuses them before decoding.
+    # Sampling settings reach the decoding loop: the same seed draws the same answer, another seed another.
     from dart_infer.app import Decoding
 
+    def sampled(seed: int) -> list[int]:
+        settings = Decoding(temperature=1.0, top_p=0.95, top_k=50, max_new_tokens=16, seed=seed)
+        *_, answer = with_trie.stream(DART, [{"role": "user", "content": PROMPTS[0]}], settings)
+        assert answer.finished and len(answer.tokens) == 16
+        return answer.tokens
+
+    assert sampled(1) == sampled(1) != sampled(2)
+
+    # Bad settings name the control; the engine refuses them before decoding.
     for controls, message in [((0, 1.5, 0, 8, 16), "top-p must be in [0, 1]"), ((-1, 0, 0, 8, 16), "temperature"),
                               ((0, 0, 2.5, 8, 16), "top-k must be a whole number"), ((0, 0, 0, 0, 16), "tree size"),
                               ((0, 0, 0, 8, None), "max new tokens is empty")]:

@@ -163,7 +163,7 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
             run: RunFlag, ticket: int, history: list[dict[str, str]], method: str, *raw: Any
         ) -> Iterator[tuple[Any, ...]]:
             try:
-                settings = Decoding.from_controls(*raw, seed=d.seed)
+                settings = Decoding.from_controls(*raw, seed=d.seed + ticket)  # a new sample on Regenerate
                 answers = engine.stream(method, history, settings, stop=lambda: run.should_stop(ticket))
                 stream = throttle(answers, engine.update_interval)
                 answer = next(stream)
@@ -222,7 +222,7 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
                 yield empty_a, empty_b, _status(ERROR + "type a prompt first")
                 return
             try:
-                settings = Decoding.from_controls(*raw, seed=d.seed)
+                settings = Decoding.from_controls(*raw, seed=d.seed + ticket)  # both methods draw with one seed
                 engine.prompt_ids([{"role": "user", "content": text}])
             except ValueError as err:
                 yield empty_a, empty_b, _status(ERROR + str(err))
