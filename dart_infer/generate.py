@@ -21,6 +21,7 @@ loaded model into another dtype (the baselines of `dart-eval` in every dtype).
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,6 +42,8 @@ from dart_infer.sampling import GREEDY_TEMPERATURE, Sampler, greedy_accept, samp
 from dart_infer.stats import GenerationStats, StepOutput
 from dart_infer.target import TargetModel, use_fast_matmul_layout
 from dart_infer.tree import TreeSearchSettings
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DartModel",
@@ -189,6 +192,11 @@ class DartModel(nn.Module):
         base_model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(base_path)
         draft = cls._load_head(dart_model_name_or_path)
+        trained_for = getattr(draft.config, "base_model", None)
+        if trained_for and base_path != resolve_model(trained_for, convert=False):
+            # Shapes may still fit (e.g. a fine-tune of the same base): allowed, but τ will likely suffer.
+            log.warning("the head '%s' was trained for the base model '%s', not '%s'",
+                        dart_model_name_or_path, trained_for, base_model_name_or_path)
         weight = base_model.get_input_embeddings().weight
         draft = cast_parameters(draft.to(device=weight.device), weight.dtype)
         trie = None
