@@ -1,4 +1,5 @@
-"""`dart-demo`: the end-to-end main job (configs/demo.yaml): trie → trained head → τ and speedup.
+"""`dart-demo`: the end-to-end main job (configs/demo.yaml): trie → a short training run → the
+shipped head's (or the trained head's) τ and speedup.
 
 Each stage composes its own entry point's config (`ngram`, `train`, `eval`) with the demo's overrides
 and calls the same function that entry point runs, so the demo exercises exactly the user-facing path.
@@ -20,7 +21,18 @@ log = logging.getLogger(__name__)
 
 def _compose(name: str, cfg: DictConfig, overrides: list[str], dtype: str | None = None) -> DictConfig:
     shared = [f"model.name_or_path={cfg.model.name_or_path}", f"model.dtype={dtype or cfg.model.dtype}"]
+    hardware = hardware_choice()
+    if hardware and name in ("train", "eval"):  # the ngram stage has no hardware group
+        shared.append(f"hardware={hardware}")
     return compose(config_name=name, overrides=[*shared, *overrides])
+
+
+def hardware_choice() -> str | None:
+    """The `hardware=` group chosen for the demo (cpu | gpu), passed on to its training and
+    evaluation stages; None = their own defaults."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.choices.get("hardware") if HydraConfig.initialized() else None
 
 
 def serve_dtype(cfg: DictConfig) -> str:
@@ -57,10 +69,14 @@ def train_head(cfg: DictConfig, trie: Path) -> Path:
     )
     print(f"[demo 2/3] training a DART head into {run_dir}", flush=True)
     summary = train(train_cfg)
+    best = summary.get("best") or {}
+    if best.get("tau") is not None:
+        print(f"[demo 2/3] the short run's head: held-out τ {best['tau']:.2f} (simulated, step {best.get('step')}) "
+              f"after {summary['steps']} steps", flush=True)
     return Path(summary["head"])
 
 
-def eval_config(cfg: DictConfig, head: Path, trie: Path) -> DictConfig:
+def eval_config(cfg: DictConfig, head: Path | str, trie: Path) -> DictConfig:
     """dart-eval's config for the demo's last stage: its overrides, the head and trie just made, DART
     in `serve_dtype`, the plain baselines in eval's `baseline_dtypes`."""
     from dart_infer.cli.eval import tree_file_overrides
@@ -71,16 +87,19 @@ def eval_config(cfg: DictConfig, head: Path, trie: Path) -> DictConfig:
 
 @hydra_app("demo")
 def main(cfg: DictConfig) -> None:
+    from dart_infer.assets import EMBEDDED_HEADS
     from dart_infer.cli.eval import run_eval
 
+    if int(cfg.train_steps) <= 0 and not cfg.draft_model:
+        raise ValueError("train_steps=0 skips training, so give the head to serve: draft_model=<name or directory>")
     trie = Path(cfg.ngram_model) if cfg.ngram_model else build_trie(cfg)
-    if cfg.draft_model:
-        head = Path(cfg.draft_model)
-        print(f"[demo 2/3] using the head {head}", flush=True)
-    else:
-        head = train_head(cfg, trie)
+    trained = train_head(cfg, trie) if int(cfg.train_steps) > 0 else None
+    head = str(cfg.draft_model) if cfg.draft_model else trained
+    print(f"[demo 3/3] serving the head {head}" + (" (shipped with the package)" if cfg.draft_model in
+          EMBEDDED_HEADS else ""), flush=True)
     eval_cfg = eval_config(cfg, head, trie)
     print(f"[demo 3/3] evaluating on {list(eval_cfg.benchmarks)} (limit {eval_cfg.limit}), DART in "
           f"{eval_cfg.model.dtype}, plain decoding also in {list(eval_cfg.baseline_dtypes)}", flush=True)
     run_eval(eval_cfg)
-    print(f"head: {head}\ntrie: {trie}\nresults: {Path(cfg.out_dir) / 'eval'}", flush=True)
+    print(f"head served: {head}\nhead trained: {trained}\ntrie: {trie}\nresults: {Path(cfg.out_dir) / 'eval'}",
+          flush=True)

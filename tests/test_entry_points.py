@@ -61,3 +61,28 @@ def test_demo_evaluates_dart_in_its_serving_dtype_against_baselines_in_every_dty
     assert ev.draft_model == str(tmp_path / "head") and ev.out_dir == str(tmp_path / "eval")
     assert (ev.tree.draft_top_k, ev.tree.remain_total) == (4, 9) and ev.tree_file == str(fit.resolve())
     assert ev.limit == cfg.eval_prompts and ev.max_new_tokens == cfg.max_new_tokens
+
+
+def test_demo_passes_its_hardware_to_the_training_and_evaluation_stages(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    from dart_infer.cli import configs_dir
+    from dart_train.demo import _compose, eval_config
+
+    def demo(*overrides: str):  # as the running app sees it: HydraConfig knows the group choices
+        cfg = compose(config_name="demo", overrides=[f"out_dir={tmp_path}", *overrides], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        return cfg
+
+    with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
+        cfg = demo("hardware=gpu")
+        assert cfg.draft_model == "dart-smollm2-135m-instruct"  # the shipped head is what it serves
+        train_cfg = _compose("train", cfg, list(cfg.train_overrides))
+        ev = eval_config(cfg, cfg.draft_model, tmp_path / "full.ngt")
+        default = demo()
+        default_ev = eval_config(default, default.draft_model, tmp_path / "full.ngt")
+        HydraConfig.instance().cfg = None
+    assert ev.tree.remain_total == 60 and default_ev.tree.remain_total != 60  # the paper's GPU tree
+    assert train_cfg.trainer.max_tokens == 2048  # the demo's own overrides still win over the group's
+    assert ev.draft_model == "dart-smollm2-135m-instruct"
