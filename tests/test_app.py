@@ -247,6 +247,7 @@ def test_side_by_side_dart_and_plain_decoding_give_the_same_answer(app_url, brow
 
 def test_chat_switches_methods_regenerates_and_clears(app_url, browser) -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     _open(browser, app_url)
     _type(browser, "#prompt", PROMPTS[1])
@@ -273,12 +274,24 @@ def test_chat_switches_methods_regenerates_and_clears(app_url, browser) -> None:
     # A second turn: the conversation so far is the prompt, the first answer stays as it was.
     _type(browser, "#prompt", "And in French?")
     _click(browser, "#send")
-    _wait_text(browser, "#chat-status", "EAGLE-3: done")
+    # The status still reads "EAGLE-3: done" from the Regenerate until the new turn's first update,
+    # which also adds its answer: wait for both.
+    WebDriverWait(browser, 60, poll_frequency=0.1).until(
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chat .answer")) == 2
+        and re.search("EAGLE-3: done", _text(d, "#chat-status")))
     answers = browser.find_elements(By.CSS_SELECTOR, "#chat .answer")
-    assert len(answers) == 2 and answers[0].get_attribute("textContent") == bot and "And in French?" in _text(browser, "#chat")
+    assert answers[0].get_attribute("textContent") == bot and "And in French?" in _text(browser, "#chat")
     _click(browser, "#clear")
     _wait_text(browser, "#chat-stats", r"tokens/s –")
     assert not browser.find_elements(By.CSS_SELECTOR, "#chat .answer") and PROMPTS[1] not in _text(browser, "#chat")
+    # Clear while an answer streams: the page ends cleared, whatever order the updates arrive in.
+    _type(browser, "#prompt", PROMPTS[1])
+    _click(browser, "#send")
+    WebDriverWait(browser, 60, poll_frequency=0.02).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chat .answer"))
+    _click(browser, "#clear")
+    time.sleep(2.0)  # longer than the tiny model's 32 tokens: any late update has landed
+    assert re.search(r"tokens/s –", _text(browser, "#chat-stats")), _text(browser, "#chat-stats")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#chat .answer")
 
 
 def test_bad_settings_are_named_and_stop_really_stops(app_url, browser) -> None:

@@ -85,6 +85,10 @@ class RunFlag:
     def superseded(self, ticket: int) -> bool:
         return ticket != self.current
 
+    def cleared(self) -> bool:
+        """True when the newest event was Clear (no generation started since)."""
+        return self.current not in self.running
+
     def should_stop(self, ticket: int) -> bool:
         return self.stopped == ticket or self.superseded(ticket)
 
@@ -149,6 +153,9 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
         # generation supersedes it. The decoding loop asks before every step (`Engine.stream(stop=)`).
         chat_run, sbs_run = gr.State(RunFlag()), gr.State(RunFlag())
 
+        def cleared_view() -> tuple[Any, ...]:
+            return [], [], stats_html(None), steps_html(None, draft_length), _status("")
+
         def answer_turn(
             run: RunFlag, history: list[dict[str, str]], method: str, *raw: Any
         ) -> Iterator[tuple[Any, ...]]:
@@ -175,12 +182,18 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
             history = [*history, {"role": "assistant", "content": ""}]
             while answer is not None:
                 if answer.stopped and run.superseded(ticket):
-                    return  # cleared, or a newer request took over: leave the page to it
+                    # An update of ours sent just before Clear can reach the page after Clear's own
+                    # reply (two channels): end on the cleared view. A newer request owns the page.
+                    if run.cleared():
+                        yield cleared_view()
+                    return
                 history[-1] = {"role": "assistant", "content": answer.text}
                 state = "stopped" if answer.stopped else "done" if answer.finished else "…"
                 yield (_chat_view(history, answer), list(history), stats_html(answer),
                        steps_html(answer, draft_length), _status(f"{method}: {state}"))
                 answer = next(stream, None)
+            if run.superseded(ticket) and run.cleared():
+                yield cleared_view()  # Clear came after our last step: its reply may have landed first
 
         def on_send(
             run: RunFlag, message: str, history: list[dict[str, str]], method: str, *raw: Any
@@ -190,7 +203,10 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
                 return
             turn = [*history, {"role": "user", "content": message}]
             for out in answer_turn(run, turn, method, *raw):
-                yield (*out, message if ERROR in out[-1] else "")  # keep a message that was not answered
+                if ERROR in out[-1]:
+                    yield (*out, message)  # keep a message that was not answered
+                else:
+                    yield (*out, gr.skip() if not out[0] else "")  # after Clear: leave what is typed now
 
         def on_regenerate(
             run: RunFlag, history: list[dict[str, str]], method: str, *raw: Any
@@ -207,7 +223,7 @@ def build_ui(engine: Engine, title: str = "DART: speculative decoding, live") ->
 
         def on_clear(run: RunFlag) -> tuple[Any, ...]:
             run.supersede()
-            return [], [], stats_html(None), steps_html(None, draft_length), _status(""), ""
+            return *cleared_view(), ""
 
         def on_side_by_side(run: RunFlag, text: str, a: str, b: str, *raw: Any) -> Iterator[tuple[str, str, str]]:
             ticket = run.start()
