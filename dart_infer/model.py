@@ -76,6 +76,10 @@ CHECKPOINT_KEYS = (
 )
 
 
+# The class name in the authors' released `config.json` files (`architectures`).
+AUTHORS_ARCHITECTURE = "LlamaForCausalLMDart"
+
+
 class DartDraftConfig(LlamaConfig):
     """Llama-style config of a DART head plus `draft_length`, `draft_vocab_size`, `target_hidden_size`.
 
@@ -88,6 +92,11 @@ class DartDraftConfig(LlamaConfig):
     prefix position + 7 masks). The authors' `config.json` stores the number of MASK positions under
     the same key (their layer appends `draft_length` masks), so files hold d - 1: `to_dict` and
     `from_dict` convert, and heads move between the two code bases unchanged.
+
+    `double_final_norm`: apply the final RMSNorm twice before `lm_head`, as the authors' inference
+    does (`LlamaForCausalLMDart.forward` returns `norm(h)` and `compute_logits` norms again), so
+    their released heads were measured, and presumably trained, that way. A config without the field
+    whose `architectures` names their class (`LlamaForCausalLMDart`) gets True; ours write False.
     """
 
     model_type = "llama"
@@ -97,6 +106,7 @@ class DartDraftConfig(LlamaConfig):
     draft_vocab_size: int | None = None
     target_hidden_size: int | None = None
     aux_layer_ids: list[int] | None = None
+    double_final_norm: bool = False
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.draft_vocab_size is None:
@@ -120,6 +130,8 @@ class DartDraftConfig(LlamaConfig):
         config_dict = dict(config_dict)
         if "draft_length" in config_dict:
             config_dict["draft_length"] = int(config_dict["draft_length"]) + 1  # masks → logit rows
+        if "double_final_norm" not in config_dict:
+            config_dict["double_final_norm"] = AUTHORS_ARCHITECTURE in (config_dict.get("architectures") or [])
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -421,6 +433,8 @@ class DartDraftModel(PreTrainedModel):
             hidden = hidden.gather(1, keep.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1]))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         hidden = self.norm(hidden)
+        if self.config.double_final_norm:
+            hidden = self.norm(hidden)  # an authors' head: their forward and compute_logits both norm
         logits = self.lm_head(hidden)
         return (logits, hidden) if return_hidden else logits
 

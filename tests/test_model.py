@@ -182,6 +182,39 @@ def test_loads_a_checkpoint_in_the_authors_layout(tmp_path: Path) -> None:
         assert torch.allclose(attn_in[..., hidden:], layer.hidden_norm(head.fc(aux)))
         assert torch.allclose(residual, head.fc(aux))
 
+    # Their inference norms the final hidden state twice (forward, then compute_logits): loading
+    # their file reproduces that, and saving keeps the flag.
+    assert head.config.double_final_norm
+    _assert_final_norms(head, residual, attn_in, expected=2)
+    head.save_pretrained(tmp_path / "resaved")
+    assert load_draft_model(tmp_path / "resaved").config.double_final_norm
+
+
+def _assert_final_norms(head: DartDraftModel, residual: torch.Tensor, attn_in: torch.Tensor, expected: int) -> None:
+    """`decode`'s logits are lm_head(norm^expected(h)), h the layer output before the final norm."""
+    positions = torch.arange(residual.shape[1])[None]
+    with torch.no_grad():
+        logits, normed = head.decode(residual, attn_in, positions, None, return_hidden=True)
+        layer = head.midlayer
+        h = residual + layer.self_attn(attn_in, head.rotary_emb(attn_in, positions), None, None)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for _ in range(expected):
+            h = head.norm(h)
+        assert torch.allclose(normed, h, atol=1e-5) and torch.allclose(logits, head.lm_head(h), atol=1e-4)
+
+
+def test_our_heads_apply_the_final_norm_once(tmp_path: Path) -> None:
+    head = tiny_head()
+    head.norm.weight.data.uniform_(0.5, 2.0)  # norm(norm(h)) != norm(h) unless the weight is all ones
+    head.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["double_final_norm"] is False
+    loaded = load_draft_model(tmp_path)
+    assert not loaded.config.double_final_norm
+    loaded.set_target_embedding(torch.randn(101, 32))
+    aux, ids = torch.randn(1, 5, 96), torch.randint(0, 101, (1, 5))
+    residual, attn_in = loaded.prefix_inputs(aux, ids)
+    _assert_final_norms(loaded, residual, attn_in, expected=1)
+
 
 def test_missing_and_corrupt_checkpoints_raise_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no config.json"):
