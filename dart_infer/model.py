@@ -80,6 +80,17 @@ CHECKPOINT_KEYS = (
 AUTHORS_ARCHITECTURE = "LlamaForCausalLMDart"
 
 
+def _head_rope_parameters(text_config: Any) -> dict[str, Any] | None:
+    """The target's RoPE settings for the head's one layer. Hybrid targets (Gemma 3) keep one set per
+    layer type; the head attends over the whole prefix, so it takes the full-attention layers' set."""
+    rope = getattr(text_config, "rope_parameters", None)
+    if not rope:
+        return None
+    if all(isinstance(value, dict) for value in rope.values()):
+        return dict(rope.get("full_attention") or next(iter(rope.values())))
+    return dict(rope)
+
+
 class DartDraftConfig(LlamaConfig):
     """Llama-style config of a DART head plus `draft_length`, `draft_vocab_size`, `target_hidden_size`.
 
@@ -159,7 +170,7 @@ class DartDraftConfig(LlamaConfig):
             head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // num_heads),
             hidden_act=getattr(text, "hidden_act", "silu"),
             rms_norm_eps=float(text.rms_norm_eps),
-            rope_parameters=dict(text.rope_parameters) if getattr(text, "rope_parameters", None) else None,
+            rope_parameters=_head_rope_parameters(text),
             max_position_embeddings=int(text.max_position_embeddings),
             vocab_size=int(text.vocab_size),
             bos_token_id=getattr(text, "bos_token_id", None),

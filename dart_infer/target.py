@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 # Attention back-ends that accept an arbitrary additive 4D mask.
 _TREE_MASK_BACKENDS = ("sdpa", "eager")
@@ -237,9 +237,20 @@ class TargetModel:
 
     def new_cache(self) -> DynamicCache:
         """An empty cache for `prefill`/`next_logits`/`verify`: transformers' `DynamicCache` for this
-        model, with its full-attention layers appending in place (`GrowingLayer`)."""
+        model, every attention layer appending in place (`GrowingLayer`).
+
+        Sliding-window layers keep every entry too, not just the last `window - 1`: a verified tree
+        overshoots the window by its own size and `keep_path` rewrites the newest entries, which a
+        ring of `window - 1` slots cannot undo. The window is applied by the attention masks instead
+        (transformers' own mask builder for prefill and AR steps, `tree_attention_mask` for trees),
+        so each query sees exactly the keys `generate()` shows it. The cost is memory (all positions
+        of every layer) and attention over the full prefix, masked, on sliding layers.
+        """
         cache = DynamicCache(config=self.model.config)
-        cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        cache.layers = [
+            GrowingLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+            for layer in cache.layers
+        ]
         return cache
 
     @torch.no_grad()
@@ -279,14 +290,55 @@ class TargetModel:
         )
         return out.logits[0, -1], cache
 
-    def tree_attention_mask(self, tree_mask: torch.Tensor, past: int) -> torch.Tensor:
-        """[1,1,n,past+n] additive mask: every node sees the cached prefix and its own ancestors."""
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the target's sliding-window layers (None: full attention everywhere)."""
+        window = getattr(self.config, "sliding_window", None)
+        return int(window) if window else None
+
+    def _layer_kinds(self) -> list[str]:
+        """Per decoder layer: "full_attention" or "sliding_attention" (transformers' layer_types)."""
+        kinds = getattr(self.config, "layer_types", None)
+        if kinds:
+            return [str(k) for k in kinds]
+        # Mistral-style configs: one `sliding_window` for every layer, no layer_types.
+        return ["sliding_attention" if self.sliding_window else "full_attention"] * self.num_layers
+
+    def tree_attention_mask(
+        self, tree_mask: torch.Tensor, past: int, tree_positions: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """[1,1,n,past+n] additive mask: every node sees the cached prefix and its own ancestors.
+
+        With sliding-window layers, a dict {"full_attention": ..., "sliding_attention": ...} (the
+        form transformers' hybrid models take as prepared masks): on sliding layers node i, at
+        absolute position p_i = past + depth_i, sees only keys at positions > p_i - window — prefix
+        entry j sits at position j (the cache holds every position in order), ancestor a at
+        past + depth_a — the rule `generate()` applies to the same token on the accepted path.
+        """
         n = tree_mask.shape[0]
         # Additive float masks mean the same to the eager and SDPA back-ends; the prefix is all visible.
-        mask = torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
+        minimum = torch.finfo(self.dtype).min
         blocked = ~tree_mask.to(device=self.device, dtype=torch.bool)
-        mask[:, past:].masked_fill_(blocked, torch.finfo(self.dtype).min)
-        return mask[None, None]
+        mask = torch.zeros(n, past + n, dtype=self.dtype, device=self.device)
+        mask[:, past:].masked_fill_(blocked, minimum)
+        kinds = set(self._layer_kinds())
+        if "sliding_attention" not in kinds:
+            return mask[None, None]
+        if tree_positions is None:
+            raise ValueError("a sliding-window target needs the tree's depths to mask its window")
+        window = self.sliding_window
+        if window is None:
+            raise ValueError("the target has sliding_attention layers but no sliding_window in its config")
+        depth = tree_positions.reshape(-1).to(device=self.device, dtype=torch.long)
+        query = past + depth  # absolute positions of the nodes
+        key = torch.cat([torch.arange(past, device=self.device), query])
+        sliding = mask.masked_fill(key[None, :] <= query[:, None] - window, minimum)
+        masks = {"sliding_attention": sliding[None, None]}
+        if "full_attention" in kinds:
+            masks["full_attention"] = mask[None, None]
+        if len(kinds) == 1:
+            return masks["sliding_attention"]  # every layer slides: models without layer_types take a tensor
+        return masks
 
     @torch.no_grad()
     def verify(
@@ -314,24 +366,23 @@ class TargetModel:
                 f"tree shapes disagree: tokens {n}, positions {tree_positions.numel()}, mask {tuple(tree_mask.shape)}"
             )
         past = cache.get_seq_length()
-        self._check_window(cache, past + n)
+        self._check_cache_keeps_everything(cache)
         positions = (tree_positions.reshape(1, -1).to(device=self.device, dtype=torch.long)) + past
         aux, logits = self._forward(
             tree_tokens.to(self.device)[None],
-            attention_mask=self.tree_attention_mask(tree_mask, past),
+            attention_mask=self.tree_attention_mask(tree_mask, past, tree_positions),
             position_ids=positions,
             cache=cache,
         )
         return aux[0], logits[0]
 
     @staticmethod
-    def _check_window(cache: DynamicCache, total: int) -> None:
+    def _check_cache_keeps_everything(cache: DynamicCache) -> None:
         for layer in cache.layers:
-            window = getattr(layer, "sliding_window", None)
-            if window is not None and total > window - 1:
+            if getattr(layer, "is_sliding", False):
                 raise ValueError(
-                    f"sequence length {total} reaches the target's sliding window ({window}); tree "
-                    "verification with sliding-window caches is only supported below the window"
+                    f"tree verification needs a cache that keeps every position ({type(layer).__name__} "
+                    "drops entries past its window): make it with TargetModel.new_cache()"
                 )
 
     @staticmethod

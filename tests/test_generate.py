@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel, TreeSearchSettings
 from dart_infer.sampling import greedy_accept
@@ -32,6 +39,8 @@ def tiny_pair(kind: str = "llama", seed: int = 0, draft_length: int = 4, draft_v
     torch.manual_seed(seed)
     if kind == "llama":
         base = LlamaForCausalLM(LlamaConfig(**COMMON, attn_implementation="sdpa"))
+    elif kind == "gemma3":
+        base = Gemma3ForCausalLM(tiny_gemma3_config())
     else:
         base = Qwen3ForCausalLM(Qwen3Config(**COMMON, attn_implementation="sdpa"))
     base.generation_config.eos_token_id = None  # no early stop unless a test sets one
@@ -47,6 +56,16 @@ def tiny_pair(kind: str = "llama", seed: int = 0, draft_length: int = 4, draft_v
     return base.eval(), head.eval()
 
 
+def tiny_gemma3_config(sliding_window: int = 3) -> Gemma3TextConfig:
+    """Gemma 3's layout in small: sliding-window layers with a full-attention layer every third,
+    a window narrower than the deepest draft path (4), so prompts, outputs and trees all cross it."""
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    return Gemma3TextConfig(
+        **COMMON, sliding_window=sliding_window, layer_types=layer_types, query_pre_attn_scalar=8,
+        attn_implementation="sdpa",
+    )
+
+
 def reference(base, prompt: torch.Tensor, max_new: int) -> torch.Tensor:
     return base.generate(prompt, do_sample=False, max_new_tokens=max_new, pad_token_id=0)
 
@@ -58,7 +77,7 @@ TREES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("tree", TREES, ids=["wide", "small", "single"])
 def test_greedy_output_is_identical_to_generate(kind: str, tree: TreeSearchSettings) -> None:
     base, head = tiny_pair(kind, draft_vocab_size=40 if kind == "qwen3" else None)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config
 
 from dart_infer.loading import load_draft_model
 from dart_infer.model import CHECKPOINT_KEYS, DartDraftConfig, DartDraftModel, DraftKVCache, causal_mask
@@ -81,6 +81,19 @@ def test_bad_configs_are_rejected() -> None:
         DartDraftConfig.from_target_config(tiny_llama_config(), draft_length=0)
     with pytest.raises(ValueError, match="at least 3 decoder layers"):
         DartDraftConfig.from_target_config(tiny_llama_config(num_hidden_layers=2))
+
+
+def test_a_hybrid_target_gives_the_head_its_full_attention_rope() -> None:
+    """Gemma 3 keeps RoPE settings per layer type (local 10k, global 1M): the head, one layer over the
+    whole prefix, takes the full-attention set, not a nested dict with a default theta beside it."""
+    target = Gemma3TextConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, sliding_window=4,
+    )
+    assert set(target.rope_parameters) == {"full_attention", "sliding_attention"}
+    config = DartDraftConfig.from_target_config(target)
+    assert config.rope_parameters["rope_theta"] == target.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert "full_attention" not in config.rope_parameters
 
 
 def test_state_dict_has_exactly_the_authors_keys_and_round_trips(tmp_path: Path) -> None:
