@@ -519,12 +519,14 @@ class Eagle3Model(DartModel):
         dtype: torch.dtype | str | None = None,
         tree: Eagle3TreeSettings | Mapping[str, Any] | None = None,
         profile: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> Eagle3Model:
-        """Load base model, tokenizer and EAGLE-3 head (ours or a published one) as `DartModel` does."""
+        """Load base model, tokenizer and EAGLE-3 head (ours or a published one) as `DartModel` does
+        (`chat_template` as there: for base models without one)."""
         model = super().from_pretrained(
             base_model_name_or_path, eagle3_model_name_or_path, None, dtype=dtype, tree=tree, profile=profile,
-            **kwargs,
+            chat_template=chat_template, **kwargs,
         )
         assert isinstance(model, Eagle3Model)
         return model

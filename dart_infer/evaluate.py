@@ -152,11 +152,18 @@ class EvalSettings:
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids of `messages` under the tokenizer's chat template, ready for the assistant's answer."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    else:  # base models without a template: plain concatenation of the turns
-        ids = tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+    """Token ids of `messages` under the tokenizer's chat template, ready for the assistant's answer.
+
+    A tokenizer without a template is an error, not a guess: heads are trained on conversations
+    rendered with the template (`dart_train.template`), so prompts must be rendered the same way."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template to render the "
+            "conversation with: set model.chat_template=gemma-turns|plain|<file.jinja> (a built-in name, a "
+            ".jinja file or a Jinja string; the one the head was trained with), or pass chat_template= to "
+            "DartModel.from_pretrained / dart_infer.loading.load_tokenizer"
+        )
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     if not ids:
         raise ValueError("empty prompt after tokenization")
     return torch.tensor(ids, dtype=torch.long)

@@ -35,6 +35,7 @@ from dart_infer.loading import (
     check_trie_matches_tokenizer,
     eos_token_ids,
     load_draft_model,
+    load_tokenizer,
     load_trie,
 )
 from dart_infer.model import DartDraftModel
@@ -169,6 +170,7 @@ class DartModel(nn.Module):
         ngram_mmap: bool = True,
         tree: TreeSearchSettings | Mapping[str, Any] | None = None,
         profile: bool = False,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> DartModel:
         """Load base model, tokenizer, head and trie. `dtype` (a torch dtype or a name: "float32",
@@ -178,19 +180,21 @@ class DartModel(nn.Module):
         tree on a CPU, the paper's 60-node tree on a GPU). Names go through
         `dart_infer.assets.resolve_model`, so the embedded "smollm2-135m-instruct" works offline.
         `ngram_mmap=False` reads the trie into memory with its query index (faster trie queries,
-        slower load; see `NgramTrie.load`)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        slower load; see `NgramTrie.load`). `chat_template`: the tokenizer's chat template, for base
+        models without one (a built-in name such as "gemma-turns", a .jinja path or a Jinja string;
+        None: the tokenizer's own; see `dart_infer.loading.load_tokenizer`), as the head was trained with."""
+        from transformers import AutoModelForCausalLM
 
         from dart_infer.assets import resolve_model
 
         base_path = resolve_model(base_model_name_or_path)
+        tokenizer = load_tokenizer(base_path, chat_template)  # first: a bad template fails before the model loads
         if dtype is not None:
             if "torch_dtype" in kwargs:
                 raise TypeError("give the dtype once: dtype= or torch_dtype=, not both")
             kwargs["dtype"] = as_dtype(dtype)
         kwargs.setdefault("attn_implementation", "sdpa")
         base_model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(base_path)
         draft = cls._load_head(dart_model_name_or_path)
         trained_for = getattr(draft.config, "base_model", None)
         if trained_for and base_path != resolve_model(trained_for, convert=False):

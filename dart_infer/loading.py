@@ -1,7 +1,9 @@
-"""Loading and pairing the pieces of a DART model: head and trie files, compatibility checks, EOS ids.
+"""Loading and pairing the pieces of a DART model: tokenizer and chat template, head and trie files,
+compatibility checks, EOS ids.
 
-Serving (`DartModel`) and training (`dart-train`, `dart_train.regenerate`) load and check through
-these functions, so a head, trie or EOS set means the same thing on both sides.
+Serving (`DartModel`, `dart-app`, `dart-eval`), `dart-ngram` and training (`dart-train`,
+`dart_train.regenerate`) load and check through these functions, so a tokenizer, chat template, head,
+trie or EOS set means the same thing on every side.
 """
 
 from __future__ import annotations
@@ -15,12 +17,21 @@ from dart_infer.model import DartDraftModel
 from dart_infer.target import TargetModel
 
 __all__ = [
+    "BUILTIN_CHAT_TEMPLATES",
+    "builtin_chat_template",
     "check_head_matches_target",
     "check_trie_matches_tokenizer",
     "eos_token_ids",
     "load_draft_model",
+    "load_tokenizer",
     "load_trie",
+    "resolve_chat_template",
 ]
+
+# Chat templates shipped in dart_infer/templates/<name>.jinja (their header comments say exactly
+# what they render): for base models whose tokenizer has no chat template.
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+BUILTIN_CHAT_TEMPLATES = ("gemma-turns", "plain")
 
 
 def _ids(value: Any) -> list[int]:
@@ -50,6 +61,56 @@ def eos_token_ids(base_model: Any, tokenizer: Any = None) -> tuple[int, ...]:
     if tokenizer is not None:
         ids += [i for i in _ids(tokenizer.eos_token_id) if i not in ids]
     return tuple(dict.fromkeys(ids))
+
+
+def builtin_chat_template(name: str) -> str:
+    """The Jinja source of a built-in chat template (`BUILTIN_CHAT_TEMPLATES`), e.g. to write into a
+    converted checkpoint's tokenizer."""
+    if name not in BUILTIN_CHAT_TEMPLATES:
+        raise ValueError(f"no built-in chat template named {name!r}; built-ins: {', '.join(BUILTIN_CHAT_TEMPLATES)}")
+    return (TEMPLATES_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def resolve_chat_template(spec: str) -> str:
+    """The Jinja source a `chat_template` setting names: a built-in name, a `.jinja` file's contents,
+    or the setting itself when it is a Jinja string (holds `{%` or `{{`)."""
+    spec = str(spec)
+    if spec in BUILTIN_CHAT_TEMPLATES:
+        return builtin_chat_template(spec)
+    if "{%" in spec or "{{" in spec:
+        return spec
+    path = Path(spec).expanduser()
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a name too long to be a path
+        is_file = False
+    if is_file:
+        return path.read_text(encoding="utf-8")
+    where = f"no such file {str(path.resolve())!r}" if spec.endswith(".jinja") else "not a built-in name"
+    raise ValueError(
+        f"chat_template={spec!r}: {where}. Give a built-in ({', '.join(BUILTIN_CHAT_TEMPLATES)}), "
+        "the path of a .jinja file, or a Jinja string."
+    )
+
+
+def load_tokenizer(name_or_path: str | Path, chat_template: str | None = None) -> Any:
+    """The target's tokenizer, with `chat_template` (see `resolve_chat_template`) replacing its own.
+
+    Every tool loads the target's tokenizer here, so training (which renders conversations and their
+    loss mask with the chat template), regeneration, tries and serving render conversations the same
+    way; `chat_template` gives base models without a template one (`model.chat_template` in the
+    configs; None or "" keeps the tokenizer's own). Embedded names resolve through
+    `dart_infer.assets.resolve_model`.
+    """
+    from transformers import AutoTokenizer
+
+    from dart_infer.assets import resolve_model
+
+    template = resolve_chat_template(chat_template) if chat_template else None  # bad settings fail first
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
 
 
 def check_head_matches_target(draft: DartDraftModel, target: TargetModel) -> None:

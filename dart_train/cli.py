@@ -180,12 +180,18 @@ def _load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
 
     The target is loaded in `model.dtype` and cast once to `states.target_dtype`; the head keeps the
     embedding as loaded, since serving (fp32 by default) embeds with that one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from dart_infer.assets import resolve_model
+    from dart_infer.loading import load_tokenizer
     from dart_infer.target import TargetModel
+    from dart_train.template import check_chat_template
 
     path = resolve_model(str(cfg.model.name_or_path))
+    # The chat template renders the training data and its loss mask; serving loads it the same way.
+    # Checked first: a bad or missing model.chat_template fails before the model loads.
+    tokenizer = load_tokenizer(path, cfg.model.get("chat_template"))
+    check_chat_template(tokenizer)
     dtype = _dtype(cfg.model.get("dtype", "float32")) or torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     if torch.cuda.is_available():
@@ -198,7 +204,6 @@ def _load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
 
         embedding = embedding.clone()
         cast_parameters(model, states_dtype)  # not .to(): rotary inv_freq buffers must stay float32
-    tokenizer = AutoTokenizer.from_pretrained(path)
     return TargetModel(model), tokenizer, embedding
 
 

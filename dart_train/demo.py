@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from hydra import compose
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from dart_infer.cli import hydra_app
 
@@ -24,7 +24,12 @@ def _compose(name: str, cfg: DictConfig, overrides: list[str], dtype: str | None
     hardware = hardware_choice()
     if hardware and name in ("train", "eval"):  # the ngram stage has no hardware group
         shared.append(f"hardware={hardware}")
-    return compose(config_name=name, overrides=[*shared, *overrides])
+    stage = compose(config_name=name, overrides=[*shared, *overrides])
+    # Every stage renders conversations with the demo's chat template (set here, not as an override
+    # string: a Jinja string would need Hydra quoting).
+    with open_dict(stage):
+        stage.model.chat_template = cfg.model.get("chat_template")
+    return stage
 
 
 def hardware_choice() -> str | None:

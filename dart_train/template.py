@@ -9,7 +9,9 @@ API (used by `dart_train.dataset` and `dart_train.regenerate`):
   role headers, the generation prompt, nor the newline the template writes after the turn).
   Usually ONE sequence; several when the template rewrites history (see "Loss-mask rule").
 - `check_chat_template(tokenizer)`: raises `ChatTemplateError` unless the tokenizer has a chat
-  template and is fast (the loss mask needs token character offsets).
+  template and is fast (the loss mask needs token character offsets). Base models without a template
+  get one from `model.chat_template` (`dart_infer.loading.load_tokenizer`: a built-in such as
+  `gemma-turns` or `plain`, a .jinja file, a Jinja string), the same setting serving loads.
 
 Loss-mask rule (works for any template, no per-model registry):
 for assistant turn i, P_i = template(messages[:i], add_generation_prompt=True) and
@@ -64,8 +66,9 @@ def check_chat_template(tokenizer: Any) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             f"The tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; training data "
-            "is rendered with the target's own template. Set `tokenizer.chat_template` (a Jinja string) "
-            "or use the instruct/chat variant of the model."
+            "and its loss mask are rendered with the target's chat template. For a base model without one, "
+            "set model.chat_template=gemma-turns|plain|<file.jinja> (a built-in name, a .jinja file or a "
+            "Jinja string; serving takes the same setting), or use the instruct/chat variant of the model."
         )
     if not getattr(tokenizer, "is_fast", False):
         raise ChatTemplateError("The loss mask needs a fast (Rust) tokenizer: token character offsets are used.")

@@ -44,13 +44,12 @@ ANCHOR = {
 
 
 def tokenize(out: Path, limit: int | None) -> dict:
-    from transformers import AutoTokenizer
-
-    from dart_infer.assets import resolve_model, tokenizer_fingerprint
+    from dart_infer.assets import tokenizer_fingerprint
     from dart_infer.conversations import load_conversations
+    from dart_infer.loading import load_tokenizer
     from ngram_builder.build import _flatten
 
-    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    tok = load_tokenizer("smollm2-135m-instruct")
     convs = load_conversations("sharegpt", split="train", limit=limit)
     texts = ["\n".join(m["content"] for m in c.messages) for c in convs]
     t0 = time.perf_counter()

@@ -45,6 +45,8 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--chat-template", default=None,
+                        help="for a base model without one: gemma-turns | plain | a .jinja file (as model.chat_template)")
     parser.add_argument("--head", default=None, help="a DART head directory (default: a random head)")
     parser.add_argument("--trie", default=None)
     parser.add_argument("--dtype", default="float32")
@@ -76,7 +78,8 @@ def main() -> None:
         )
         head = tempfile.mkdtemp(prefix="bench_step_head_")
         DartDraftModel(config).save_pretrained(head)
-    model = DartModel.from_pretrained(args.model, head, args.trie, dtype=dtype, tree=tree)
+    model = DartModel.from_pretrained(args.model, head, args.trie, dtype=dtype, tree=tree,
+                                  chat_template=args.chat_template)
     target, draft = model.target, model.draft_model
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size

@@ -35,6 +35,8 @@ import torch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--chat-template", default=None,
+                        help="for a base model without one: gemma-turns | plain | a .jinja file (as model.chat_template)")
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8, help="counted micro-steps per variant (after 1 warm-up)")
     parser.add_argument("--max-length", type=int, default=1024)
@@ -47,11 +49,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from dart_infer.assets import resolve_model
     from dart_infer.conversations import load_conversations
     from dart_infer.dtypes import cast_parameters
+    from dart_infer.loading import load_tokenizer
     from dart_infer.model import DartDraftConfig, DartDraftModel
     from dart_infer.target import TargetModel
     from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
@@ -68,7 +71,7 @@ def main() -> None:
     embedding = fp32.get_input_embeddings().weight.detach()
     target_fp32 = TargetModel(fp32)
     target_bf16 = TargetModel(cast_parameters(copy.deepcopy(fp32), torch.bfloat16))  # as dart-train does
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path, args.chat_template)
     conversations = load_conversations("sharegpt", split="train", limit=args.conversations)
     dataset = build_dataset(conversations, tokenizer, args.max_length)
     mapping = build_vocab_mapping(dataset.sequences, target_fp32.vocab_size, args.draft_vocab)

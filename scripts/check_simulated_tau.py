@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--head", required=True, help="a DART head directory")
     parser.add_argument("--trie", default=None, help="n-gram trie file (omit: no trie)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--chat-template", default=None,
+                        help="for a base model without one: gemma-turns | plain | a .jinja file (as model.chat_template)")
     parser.add_argument("--source", default="sharegpt")
     parser.add_argument("--split", default="heldout")
     parser.add_argument("--limit", type=int, default=12, help="conversations")
@@ -61,7 +63,8 @@ def main() -> None:
         if path is None:
             parser.error(f"--tree {args.tree!r}: no configs/tree/{args.tree}.yaml and not a file path")
         tree = read_tree_file(path)
-    model = DartModel.from_pretrained(args.model, args.head, args.trie, tree=tree, dtype=torch.float32)
+    model = DartModel.from_pretrained(args.model, args.head, args.trie, tree=tree, dtype=torch.float32,
+                                  chat_template=args.chat_template)
     tokenizer, draft = model.tokenizer, model.draft_model
     conversations = [c for c in load_conversations(args.source, split=args.split, limit=args.limit)
                      if any(m["role"] == "user" for m in c.messages)]

@@ -44,12 +44,12 @@ def _placeholder_head(base_model: Any) -> Any:
 
 def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
     """(DartModel, whether it has a real head, notices for the page)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from dart_infer.assets import resolve_model
     from dart_infer.dtypes import as_dtype, cast_parameters
     from dart_infer.generate import DartModel
-    from dart_infer.loading import load_draft_model
+    from dart_infer.loading import load_draft_model, load_tokenizer
 
     notices: list[str] = []
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
@@ -64,8 +64,12 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
             notices.append(f"The DART head draft_model={cfg.draft_model} could not be loaded ({err}); "
                            "DART is off, plain decoding only.")
     base_path = resolve_model(cfg.model.name_or_path)
+    tokenizer = load_tokenizer(base_path, cfg.model.get("chat_template"))  # a bad setting fails first
+    if not getattr(tokenizer, "chat_template", None):
+        notices.append(f"The tokenizer of {cfg.model.name_or_path} has no chat template, so chats cannot be "
+                       "rendered: start with model.chat_template=gemma-turns|plain|<file.jinja> (the one the "
+                       "head was trained with).")
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=as_dtype(dtype), attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(base_path)
     has_head = head is not None
     head = head if has_head else _placeholder_head(base)
     head = cast_parameters(head.to(base.device), base.get_input_embeddings().weight.dtype)

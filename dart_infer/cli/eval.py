@@ -135,14 +135,15 @@ def resolve_trie(cfg: DictConfig) -> str | None:
         print(f"ngram_model=auto: the default trie {default} does not exist (build it with `dart-ngram`); "
               "DART runs without a trie", flush=True)
         return None
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    from dart_infer.loading import check_trie_matches_tokenizer, load_trie
+    from dart_infer.loading import check_trie_matches_tokenizer, load_tokenizer, load_trie
 
     path = resolve_model(cfg.model.name_or_path)
     vocab = AutoConfig.from_pretrained(path).get_text_config(decoder=True).vocab_size
+    tokenizer = load_tokenizer(path, cfg.model.get("chat_template"))
     try:
-        check_trie_matches_tokenizer(load_trie(default), AutoTokenizer.from_pretrained(path), int(vocab))
+        check_trie_matches_tokenizer(load_trie(default), tokenizer, int(vocab))
     except ValueError as err:
         print(f"ngram_model=auto: the default trie {default} does not fit this model ({err}); "
               "DART runs without a trie", flush=True)
@@ -170,7 +171,7 @@ def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     loaded = DartModel.from_pretrained(
         resolve_model(cfg.model.name_or_path), cfg.draft_model, trie, dtype=load_dtype, tree=tree,
-        ngram_mmap=bool(cfg.ngram_mmap),
+        ngram_mmap=bool(cfg.ngram_mmap), chat_template=cfg.model.get("chat_template"),
     )
     by_dtype = {load_dtype: loaded}
     for dtype in (serving_dtype, *others):

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dart_infer.assets import resolve_model, tokenizer_fingerprint
+from dart_infer.assets import tokenizer_fingerprint
 from dart_infer.cli import hydra_app
 from ngram_builder import NgramTrie
 from ngram_builder.build import (
@@ -33,9 +33,10 @@ SOURCE_KINDS = ("conversations", "jsonl", "text", "tree", "hf")
 
 
 def load_tokenizer(cfg: DictConfig) -> Any:
-    from transformers import AutoTokenizer
+    """The model's tokenizer with `model.chat_template` (the one training and serving render with)."""
+    from dart_infer.loading import load_tokenizer as load
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model.name_or_path))
+    tok = load(cfg.model.name_or_path, cfg.model.get("chat_template"))
     if not getattr(tok, "is_fast", False):
         log.warning("tokenizer is not a fast tokenizer: tokenization will be slow")
     return tok
@@ -46,6 +47,11 @@ def _conversation_texts(spec: dict[str, Any], mode: str, tokenizer: Any):
 
     if mode not in ("join", "chat_template"):
         raise ValueError(f"conversation_text must be 'join' or 'chat_template', got {mode!r}")
+    if mode == "chat_template" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"conversation_text=chat_template: the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no "
+            "chat template; set model.chat_template=gemma-turns|plain|<file.jinja> (as for training and serving)"
+        )
     for conv in load_conversations(spec["source"], split=spec.get("split"), limit=spec.get("limit")):
         if mode == "join":
             yield "\n".join(m["content"] for m in conv.messages)
