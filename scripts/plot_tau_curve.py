@@ -1,6 +1,11 @@
 """Held-out τ against training tokens, from the `metrics.jsonl` of one or more `dart-train` runs.
 
     python scripts/plot_tau_curve.py runs/ref3 [runs/other ...] --out docs/results/tau_vs_tokens.png
+    python scripts/plot_tau_curve.py runs/ref4:5.50 --prior docs/results/tau_vs_tokens.md
+
+A run given as `PATH:M` continues a head trained on M million tokens before (`draft.init_from`): its
+points are shifted by M. `--prior TABLE.md` draws the rows of an earlier table this script wrote (for
+runs whose metrics are gone) first and keeps them in the new table.
 
 Each evaluation row of a run (`eval/tau`, written every `train_eval.every` steps) is placed at the
 tokens the run had trained on by then (the sum of the step rows' tokens up to that step; rows are
@@ -38,7 +43,8 @@ def curve(run_dir: Path) -> list[dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("runs", nargs="+", help="run directories, each optionally PATH:M (M million tokens before)")
+    parser.add_argument("--prior", type=Path, help="an earlier table of this script's to draw first")
     parser.add_argument("--out", type=Path, default=Path("docs/results/tau_vs_tokens.png"))
     parser.add_argument("--title", default="Held-out simulated τ vs training tokens")
     args = parser.parse_args()
@@ -50,13 +56,25 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     lines = ["| run | step | tokens (M) | held-out τ | τ (target argmax) | α_1 | eval loss |", "|---|---|---|---|---|---|---|"]
-    for run in args.runs:
+    if args.prior:
+        prior: dict[str, list[tuple[float, float]]] = {}
+        for row in args.prior.read_text().splitlines()[2:]:
+            cells = [c.strip() for c in row.strip().strip("|").split("|")]
+            if len(cells) == 7:
+                prior.setdefault(cells[0], []).append((float(cells[2]), float(cells[3])))
+                lines.append(row.strip())
+        for name, xy in prior.items():
+            ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{name} (earlier run)")
+    for spec in args.runs:
+        path, _, before = spec.partition(":")
+        run, offset = Path(path), float(before or 0) * 1e6
         points = curve(run)
         if not points:
             raise SystemExit(f"{run}: no evaluation rows (eval/tau) in metrics.jsonl yet")
-        ax.plot([p["tokens"] / 1e6 for p in points], [p["tau"] for p in points], marker="o", label=run.name)
+        label = f"{run.name} (from {offset / 1e6:.2f} M)" if offset else run.name
+        ax.plot([(p["tokens"] + offset) / 1e6 for p in points], [p["tau"] for p in points], marker="o", label=label)
         for p in points:
-            lines.append(f"| {run.name} | {p['step']} | {p['tokens'] / 1e6:.2f} | {p['tau']:.3f} | "
+            lines.append(f"| {run.name} | {p['step']} | {(p['tokens'] + offset) / 1e6:.2f} | {p['tau']:.3f} | "
                          f"{p['tau_target']:.3f} | {p['alpha_1']:.3f} | {p['loss']:.2f} |")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("held-out τ (simulated)")

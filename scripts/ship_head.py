@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -32,7 +33,8 @@ MAX_BYTES = 40 * 1024 * 1024
 
 
 def model_card(name: str, head_dir: Path, run: Path | None, evals: list[Path], trained_at: str,
-               command: str, base: str) -> str:
+               command: str, base: str, prior_tokens: float = 0.0, continues: str = "",
+               prior_table: Path | None = None) -> str:
     best = json.loads((head_dir / "best.json").read_text()) if (head_dir / "best.json").is_file() else {}
     step = int(best.get("step", 0))
     lines = [
@@ -55,7 +57,7 @@ def model_card(name: str, head_dir: Path, run: Path | None, evals: list[Path], t
         points = curve(run)
         # Tokens per step from the curve's last point (training rows are logged every log_every steps).
         per_step = points[-1]["tokens"] / points[-1]["step"] if points else float("nan")
-        tokens = per_step * step
+        tokens = per_step * step + prior_tokens
         cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
         data = cfg.get("data", {})
         lines += [
@@ -74,12 +76,20 @@ def model_card(name: str, head_dir: Path, run: Path | None, evals: list[Path], t
             f"{cfg.get('draft', {}).get('draft_vocab_size', '?')}.",
             f"- Code: trained from commit {trained_at}.",
         ]
+        if continues:
+            lines.append(f"- Continued training: {continues} (tokens above include the "
+                         f"{prior_tokens / 1e6:.2f} M seen before).")
         if command:
             lines += ["", "```bash", command, "```"]
         if points:
             lines += ["", "Held-out τ (simulated, the run's train_eval) against training tokens:", "",
-                      "| step | tokens (M) | τ | eval loss |", "|---|---|---|---|"]
-            lines += [f"| {p['step']} | {p['tokens'] / 1e6:.2f} | {p['tau']:.3f} | {p['loss']:.2f} |" for p in points]
+                      "| run | step | tokens (M) | τ | eval loss |", "|---|---|---|---|---|"]
+            for row in (prior_table.read_text().splitlines()[2:] if prior_table else []):
+                cells = [c.strip() for c in row.strip().strip("|").split("|")]
+                if len(cells) == 7:  # a plot_tau_curve.py table: run, step, tokens, τ, τ target, α_1, loss
+                    lines.append(f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[6]} |")
+            lines += [f"| {run.name} | {p['step']} | {(p['tokens'] + prior_tokens) / 1e6:.2f} | {p['tau']:.3f} | "
+                      f"{p['loss']:.2f} |" for p in points]
     lines += ["", "## Served τ and speed (dart-eval on this repository's CPU reference machine)", ""]
     if not evals:
         lines.append("Not measured yet.")
@@ -93,7 +103,8 @@ def model_card(name: str, head_dir: Path, run: Path | None, evals: list[Path], t
     return "\n".join(lines) + "\n"
 
 
-def ship(head_dir: Path, name: str, run: Path | None, evals: list[Path], trained_at: str, command: str) -> Path:
+def ship(head_dir: Path, name: str, run: Path | None, evals: list[Path], trained_at: str, command: str,
+         **card: Any) -> Path:
     if name not in EMBEDDED_HEADS:
         raise SystemExit(f"'{name}' is not in dart_infer.assets.EMBEDDED_HEADS {sorted(EMBEDDED_HEADS)}: add it there first")
     head = cast_parameters(load_draft_model(head_dir, dtype=torch.float32), torch.bfloat16)
@@ -106,7 +117,7 @@ def ship(head_dir: Path, name: str, run: Path | None, evals: list[Path], trained
         if size > MAX_BYTES:
             raise SystemExit(f"model.safetensors is {size / 2**20:.1f} MiB, over the 40 MiB the repository allows")
         (stage / "README.md").write_text(
-            model_card(name, head_dir, run, evals, trained_at, command, EMBEDDED_HEADS[name]))
+            model_card(name, head_dir, run, evals, trained_at, command, EMBEDDED_HEADS[name], **card))
         if out.exists():
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -124,8 +135,12 @@ def main() -> None:
     parser.add_argument("--eval", type=Path, nargs="*", default=[], help="dart-eval out_dirs for the card")
     parser.add_argument("--trained-at", default="unknown", help="commit the run was trained at")
     parser.add_argument("--command", default="", help="the dart-train command line for the card")
+    parser.add_argument("--continues", default="", help="what the run continued from (draft.init_from), for the card")
+    parser.add_argument("--prior-tokens", type=float, default=0.0, help="million tokens the head saw before the run")
+    parser.add_argument("--prior-table", type=Path, help="plot_tau_curve.py table of the earlier run(s)")
     args = parser.parse_args()
-    out = ship(args.head, args.name, args.run, args.eval, args.trained_at, args.command)
+    out = ship(args.head, args.name, args.run, args.eval, args.trained_at, args.command,
+               prior_tokens=args.prior_tokens * 1e6, continues=args.continues, prior_table=args.prior_table)
     print(f"shipped {args.head} as '{args.name}' in {out} "
           f"({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
 
