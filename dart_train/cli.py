@@ -52,7 +52,7 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
         )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_test"
+        probe = run_dir / f".write_test-{os.getpid()}"  # one per process: ranks probe at once
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
