@@ -293,6 +293,7 @@ def _regenerate_options(cfg: DictConfig) -> dict[str, Any]:
         "keep_truncated": bool(regen.keep_truncated),
         "max_turns": int(regen.max_turns) if regen.get("max_turns") else None,
         "template_kwargs": _template_kwargs(cfg),
+        "chat_template": cfg.model.get("chat_template") or None,
     }
 
 

@@ -70,13 +70,19 @@ class RegenerateStats:
 def generation_settings(
     model_name: str, *, max_new_tokens: int, temperature: float, top_p: float, seed: int, max_turns: int | None,
     max_prompt_tokens: int | None, keep_truncated: bool, batch_size: int, template_kwargs: Mapping | None,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Everything that shapes a regenerated row. The batch size only when sampling (a batch's seed comes
-    from its first conversation); greedy answers do not depend on it beyond padding numerics."""
-    return {"model": model_name, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-            "seed": seed, "max_turns": max_turns, "max_prompt_tokens": max_prompt_tokens,
-            "keep_truncated": keep_truncated, "batch_size": batch_size if temperature > 0 else None,
-            "template_kwargs": dict(template_kwargs or {})}
+    from its first conversation); greedy answers do not depend on it beyond padding numerics.
+    `chat_template`: the `model.chat_template` setting, recorded only when set (so files made with the
+    tokenizer's own template keep their names)."""
+    settings = {"model": model_name, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                "seed": seed, "max_turns": max_turns, "max_prompt_tokens": max_prompt_tokens,
+                "keep_truncated": keep_truncated, "batch_size": batch_size if temperature > 0 else None,
+                "template_kwargs": dict(template_kwargs or {})}
+    if chat_template:
+        settings["chat_template"] = chat_template
+    return settings
 
 
 def regeneration_key(settings: Mapping[str, Any]) -> str:
@@ -169,6 +175,7 @@ def regenerate(
     max_turns: int | None = None,
     template_kwargs: Mapping | None = None,
     model_name: str | None = None,
+    chat_template: str | None = None,
 ) -> RegenerateStats:
     """Regenerate every assistant turn with `model` and append the conversations to `out_path` (JSONL)."""
     from dart_train.template import check_chat_template
@@ -190,6 +197,7 @@ def regenerate(
         model_name or getattr(model.config, "_name_or_path", ""), max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, seed=seed, max_turns=max_turns, max_prompt_tokens=max_prompt_tokens,
         keep_truncated=keep_truncated, batch_size=batch_size, template_kwargs=template_kwargs,
+        chat_template=chat_template,
     )
     done = _done_ids(out, generation, repair=rank == 0)
     for other in sorted(out.parent.glob(f"{out.name}.part-*")):  # a killed multi-rank run's parts

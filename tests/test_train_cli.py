@@ -298,7 +298,8 @@ def test_regenerated_data_is_keyed_by_its_settings(tmp_path) -> None:
                            "keep_truncated=false", "max_prompt_tokens=100")}
     changed.add(regenerate_output(_compose(*base, "model=custom", "model.name_or_path=org/other")))
     changed.add(regenerate_output(_compose(*base, "preprocess=qwen3-nothink")))  # template options
-    assert len(changed) == 9 and default not in changed
+    changed.add(regenerate_output(_compose(*base, "model.chat_template=plain")))  # another rendering
+    assert len(changed) == 10 and default not in changed
     assert regenerate_output(_compose(*base, "preprocess.regenerate.output=/x/y.jsonl")) == Path("/x/y.jsonl")
     # keep_truncated reaches dart_train.regenerate (its effect: tests/test_regenerate.py).
     assert _regenerate_options(_compose("preprocess.regenerate.keep_truncated=false"))["keep_truncated"] is False
