@@ -1,7 +1,7 @@
 """Held-out τ against training tokens, from the `metrics.jsonl` of one or more `dart-train` runs.
 
     python scripts/plot_tau_curve.py runs/ref3 [runs/other ...] --out docs/results/tau_vs_tokens.png
-    python scripts/plot_tau_curve.py runs/ref4:5.50 --prior docs/results/tau_vs_tokens.md
+    python scripts/plot_tau_curve.py runs/ref4:5.50 --prior docs/results/tau_vs_tokens.md --served 5.50:2.12
 
 A run given as `PATH:M` continues a head trained on M million tokens before (`draft.init_from`): its
 points are shifted by M. `--prior TABLE.md` draws the rows of an earlier table this script wrote (for
@@ -45,6 +45,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories, each optionally PATH:M (M million tokens before)")
     parser.add_argument("--prior", type=Path, help="an earlier table of this script's to draw first")
+    parser.add_argument("--served", action="append", default=[], metavar="M:TAU",
+                        help="a served τ (dart-eval) of the head at M million tokens, drawn as its own series")
     parser.add_argument("--out", type=Path, default=Path("docs/results/tau_vs_tokens.png"))
     parser.add_argument("--title", default="Held-out simulated τ vs training tokens")
     args = parser.parse_args()
@@ -76,8 +78,14 @@ def main() -> None:
         for p in points:
             lines.append(f"| {run.name} | {p['step']} | {(p['tokens'] + offset) / 1e6:.2f} | {p['tau']:.3f} | "
                          f"{p['tau_target']:.3f} | {p['alpha_1']:.3f} | {p['loss']:.2f} |")
+    if args.served:
+        served = sorted(tuple(float(v) for v in point.split(":")) for point in args.served)
+        ax.plot([m for m, _ in served], [t for _, t in served], marker="s", linestyle="--",
+                label="served τ (dart-eval MT-Bench)")
+        lines += ["", "| served at (M tokens) | τ (dart-eval) |", "|---|---|"]
+        lines += [f"| {m:.2f} | {t:.2f} |" for m, t in served]
     ax.set_xlabel("training tokens (millions)")
-    ax.set_ylabel("held-out τ (simulated)")
+    ax.set_ylabel("τ (held-out, simulated; squares: served)" if args.served else "held-out τ (simulated)")
     ax.set_title(args.title)
     ax.grid(alpha=0.3)
     ax.legend()
