@@ -85,3 +85,31 @@ def test_greedy_dart_equals_generate_past_the_sliding_window(gemma3_dir: str) ->
     out, stats = model.dart_generate(prompt, max_new_token_num=120, return_stats=True)
     assert torch.equal(out, expected)
     assert sum(stats.accept_lengths) > 20  # drafts were accepted past the window, not only bonus tokens
+
+
+@pytest.mark.gemma3
+def test_gemmas_own_tokenizer_trains_each_answer_and_its_end_of_turn(gemma3_dir: str) -> None:
+    """Golden loss mask on the real Gemma tokenizer, as every tool loads it: the conversation renders
+    in Gemma's turn format and exactly each answer + its single <end_of_turn> token is trained."""
+    from dart_infer.loading import load_tokenizer
+    from dart_train.template import tokenize_conversation
+
+    tokenizer = load_tokenizer("gemma3-270m")
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a primary colour."},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    [sequence] = tokenize_conversation(tokenizer, {"messages": messages}, 4096)
+    assert tokenizer.decode(sequence["input_ids"]) == (
+        "<bos><start_of_turn>user\nYou are terse.\n\nName a primary colour.<end_of_turn>\n"
+        "<start_of_turn>model\nRed.<end_of_turn>\n<start_of_turn>user\nAnother one?<end_of_turn>\n"
+        "<start_of_turn>model\nBlue.<end_of_turn>\n"
+    )
+    ids, mask = sequence["input_ids"].tolist(), sequence["loss_mask"].tolist()
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert tokenizer.decode(trained) == "Red.<end_of_turn>Blue.<end_of_turn>"
+    assert trained.count(end_of_turn) == 2 and trained[-1] == end_of_turn
