@@ -44,7 +44,7 @@ from dart_infer.decoding import tree_steps
 from dart_infer.generate import DartModel
 from dart_infer.model import DartAttention, DartDraftConfig, DartDraftModel, DraftKVCache, causal_mask
 from dart_infer.stats import GenerationStats, StepOutput
-from dart_infer.tree import DraftTree, with_field_overrides
+from dart_infer.tree import DraftTree, tree_from_parents, with_field_overrides
 
 __all__ = [
     "EAGLE3_ARCHITECTURE",
@@ -263,7 +263,7 @@ class Eagle3TreeSettings:
 
 
 # On a CPU a verification's cost grows with its nodes (README "Verification cost"): a tree about the
-# size of DART's CPU tree (12 nodes); on GPUs EAGLE-3's published setting (60 nodes, top-10, 8 levels).
+# size of DART's CPU tree when the two were compared (12 nodes); on GPUs EAGLE-3's published setting (60 nodes, top-10, 8 levels).
 CPU_EAGLE3_TREE = Eagle3TreeSettings(top_k=4, depth=5, total_tokens=12)
 
 
@@ -295,22 +295,11 @@ def _tree_from_candidates(
 ) -> DraftTree:
     """A `DraftTree` (the layout `dart_infer.tree` produces) of the root + the chosen candidates."""
     node_of = {c: i + 1 for i, c in enumerate(chosen)}
-    n = len(chosen) + 1
-    node_tokens = torch.tensor([root] + [tokens[c] for c in chosen], dtype=torch.long)
-    node_parents = torch.tensor([-1] + [node_of[parents[c]] if parents[c] >= 0 else 0 for c in chosen], dtype=torch.long)
-    positions = torch.tensor([0] + [depths[c] for c in chosen], dtype=torch.long)
-    mask = torch.eye(n, dtype=torch.bool)
-    for node in range(1, n):  # parents come first: copy the parent's row
-        mask[node] |= mask[int(node_parents[node])]
-    has_child = torch.zeros(n, dtype=torch.bool)
-    has_child[node_parents[1:]] = True
-    leaves = (~has_child).nonzero().flatten().tolist()
-    width = int(positions.max()) + 1
-    retrieve = torch.full((len(leaves), width), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        path = mask[leaf].nonzero().flatten()  # ancestors in node order = root-to-leaf order
-        retrieve[row, : path.numel()] = path
-    return DraftTree(node_tokens, retrieve, mask, positions, node_parents)
+    return tree_from_parents(
+        [root] + [tokens[c] for c in chosen],
+        [-1] + [node_of[parents[c]] if parents[c] >= 0 else 0 for c in chosen],
+        [0] + [depths[c] for c in chosen],
+    )
 
 
 @torch.no_grad()

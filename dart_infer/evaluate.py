@@ -386,7 +386,9 @@ def summarize(records: Sequence[Record], draft_length: int) -> Summary:
                 "acceptance_by_position": [
                     sum(a >= j for a in accepts) / len(accepts) for j in range(1, draft_length + 1)
                 ] if accepts else None,
-                "accept_length_histogram": [accepts.count(n) for n in range(draft_length + 1)] if accepts else None,
+                # Copy spans can reach past the draft's d levels: the histogram runs to the longest.
+                "accept_length_histogram": [accepts.count(n) for n in range(max([draft_length, *accepts]) + 1)]
+                if accepts else None,
                 "time_split": {phase: timings[phase] / seconds for phase in PHASES if phase in timings} if seconds else {},
                 "identical_to_ar": sum(bool(r.identical_to_ar) for r in items) / len(items),
                 "identical_to_fp32": (

@@ -15,12 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from dart_infer.search import ContextNgram
 
-__all__ = ["DraftTree", "TreeSearchSettings", "draft_trees", "request_context"]
+__all__ = ["DraftTree", "TreeSearchSettings", "copy_span", "draft_trees", "request_context", "tree_from_parents"]
 
 
 def with_field_overrides(settings: Any, overrides: Mapping[str, Any] | None, kind: str) -> Any:
@@ -33,6 +34,9 @@ def with_field_overrides(settings: Any, overrides: Mapping[str, Any] | None, kin
     if unknown:
         raise TypeError(f"unknown {kind} settings {unknown}; known: {sorted(known)}")
     return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+
+
+COPY_SPAN_MAX_MATCH = 4  # the longest history suffix a copy span is matched on
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,12 @@ class TreeSearchSettings:
     context_ngram_weight: float = 0.0
     context_ngram_order: int = 3  # 2..5: contexts of up to order - 1 tokens
     context_ngram_propose: bool = True
+    # Copy spans (beyond the paper; prompt lookup inside the tree): when the last tokens of the
+    # history (>= copy_span_min_match of them, longest match first, most recent occurrence) occurred
+    # before, the up to copy_span_tokens tokens that followed join the tree as one more root path,
+    # deeper than the draft's d levels where the copy is longer. 0 = off.
+    copy_span_tokens: int = 0
+    copy_span_min_match: int = 2
 
     def __post_init__(self) -> None:
         for name in ("draft_top_k", "beam_width", "remain_total"):
@@ -65,6 +75,12 @@ class TreeSearchSettings:
             raise ValueError(f"context_ngram_weight must lie in [0, 1], got {self.context_ngram_weight}")
         if not 2 <= self.context_ngram_order <= 5:
             raise ValueError(f"context_ngram_order must be between 2 and 5, got {self.context_ngram_order}")
+        if self.copy_span_tokens < 0:
+            raise ValueError(f"copy_span_tokens must be >= 0 (0 = off), got {self.copy_span_tokens}")
+        if not 1 <= self.copy_span_min_match <= COPY_SPAN_MAX_MATCH:
+            raise ValueError(
+                f"copy_span_min_match must be between 1 and {COPY_SPAN_MAX_MATCH}, got {self.copy_span_min_match}"
+            )
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> TreeSearchSettings:
         return with_field_overrides(self, overrides, "tree-search")
@@ -84,6 +100,72 @@ class DraftTree:
     mask: torch.Tensor  # bool [1 + n, 1 + n], ancestor-or-self
     positions: torch.Tensor  # int64 [1 + n], depth of each node
     parents: torch.Tensor  # int64 [1 + n], -1 for the root
+
+
+def tree_from_parents(tokens: Sequence[int], parents: Sequence[int], positions: Sequence[int]) -> DraftTree:
+    """A `DraftTree` from per-node lists: node 0 is the root (parent -1) and every parent comes
+    before its children (the order verification, keep-path and the acceptance rules rely on)."""
+    n = len(tokens)
+    node_parents = torch.tensor(parents, dtype=torch.long)
+    if n == 0 or len(parents) != n or len(positions) != n or parents[0] != -1:
+        raise ValueError("a tree needs a root (node 0, parent -1) and one parent and position per node")
+    if any(not 0 <= parents[i] < i for i in range(1, n)):
+        raise ValueError(f"every parent must come before its child, got parents {list(parents)}")
+    mask = torch.eye(n, dtype=torch.bool)
+    for node in range(1, n):  # parents come first: copy the parent's row
+        mask[node] |= mask[parents[node]]
+    has_child = torch.zeros(n, dtype=torch.bool)
+    has_child[node_parents[1:]] = True
+    leaves = (~has_child).nonzero().flatten().tolist()
+    node_positions = torch.tensor(positions, dtype=torch.long)
+    retrieve = torch.full((len(leaves), int(node_positions.max()) + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        path = mask[leaf].nonzero().flatten()  # ancestors in node order = root-to-leaf order
+        retrieve[row, : path.numel()] = path
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), retrieve, mask, node_positions, node_parents)
+
+
+def copy_span(history: torch.Tensor, max_tokens: int, min_match: int) -> list[int]:
+    """At most `max_tokens` tokens that followed an earlier occurrence of the history's last n tokens
+    (n from `COPY_SPAN_MAX_MATCH` down to `min_match`, longest first; the most recent occurrence
+    followed by `max_tokens` tokens, else the oldest); [] when no suffix of >= min_match tokens
+    occurred before. Prompt lookup's proposal, over prompt + output."""
+    tokens = history.numpy() if isinstance(history, torch.Tensor) else np.asarray(history)
+    length = tokens.shape[0]
+    for n in range(min(COPY_SPAN_MAX_MATCH, length - 1), min_match - 1, -1):
+        # Windows that start before length - n, so at least one token follows the match.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            # The most recent occurrence with max_tokens after it; else the oldest (the longest copy:
+            # in a loop the latest one is a period back and its copy ends where the history does).
+            full = hits[hits <= length - n - max_tokens]
+            start = int(full[-1] if full.size else hits[0]) + n
+            return tokens[start : start + max_tokens].tolist()
+    return []
+
+
+def with_copy_span(tree: DraftTree, span: Sequence[int]) -> DraftTree:
+    """`tree` with `span` (the tokens expected after the root) as one more root path: the span
+    follows the tree's nodes as far as they hold its tokens and continues as a new chain."""
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    node, matched = 0, 0
+    while matched < len(span):
+        token = span[matched]
+        child = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == token), None)
+        if child is None:
+            break
+        node, matched = child, matched + 1
+    if matched == len(span):
+        return tree  # the whole span is already a path of the tree
+    positions = tree.positions.tolist()
+    for token in span[matched:]:
+        tokens.append(token)
+        parents.append(node)
+        positions.append(positions[node] + 1)
+        node = len(tokens) - 1
+    return tree_from_parents(tokens, parents, positions)
 
 
 def request_context(settings: TreeSearchSettings) -> ContextNgram | None:
@@ -157,7 +239,7 @@ def draft_trees(
         search_kwargs["level_weight"] = list(settings.level_weight)
     if settings.logit_weight is not None:
         search_kwargs["logit_weight"] = list(settings.logit_weight)
-    return [
+    trees = [
         DraftTree(
             *tree_search(
                 candidates[i], probs[i], trie, history, return_parents=True, context=models[i], **search_kwargs
@@ -165,3 +247,9 @@ def draft_trees(
         )
         for i, history in enumerate(histories)
     ]
+    if settings.copy_span_tokens > 0:
+        for i, history in enumerate(histories):
+            span = copy_span(history, settings.copy_span_tokens, settings.copy_span_min_match)
+            if span:
+                trees[i] = with_copy_span(trees[i], span)
+    return trees

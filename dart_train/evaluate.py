@@ -184,8 +184,9 @@ class SimulatedTau:
                 )
             for (b, t), tree in zip(anchors, trees, strict=True):
                 seq = input_ids[b, : lengths[b]]
-                data_next = seq[t + 2 : t + 2 + d].tolist()
-                target_next = target_argmax[b, t + 1 : min(t + 1 + d, lengths[b])].tolist()
+                depth = max(d, int(tree.positions.max()))  # copy spans can reach past the d levels
+                data_next = seq[t + 2 : t + 2 + depth].tolist()
+                target_next = target_argmax[b, t + 1 : min(t + 1 + depth, lengths[b])].tolist()
                 results.append((
                     int(batch["indices"][b]),
                     t,

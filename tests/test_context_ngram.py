@@ -428,8 +428,8 @@ def test_serving_accepts_more_on_text_that_repeats_itself() -> None:
     # covers the default, where the copy continues below a first token the draft got right.
     base, head = bigram_machine()
     tree = dict(draft_top_k=8, beam_width=6, remain_total=12, ngram_on_first_level=True)
-    with_context = DartModel(base, head, tree={**tree, "context_ngram_weight": 0.5})
-    without = DartModel(base, head, tree=tree)
+    with_context = DartModel(base, head, tree=TreeSearchSettings(**tree, context_ngram_weight=0.5))
+    without = DartModel(base, head, tree=TreeSearchSettings(**tree))
     taus, plain_taus = [], []
     for i in range(4):
         start = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(30 + i))
@@ -458,8 +458,8 @@ def test_serving_keeps_one_context_model_per_request(monkeypatch) -> None:
 
     monkeypatch.setattr(decoding, "draft_trees", recording)
     base, head = bigram_machine()
-    model = DartModel(base, head, tree={"draft_top_k": 4, "beam_width": 4, "remain_total": 8,
-                                        "context_ngram_weight": 0.5})
+    model = DartModel(base, head, tree=TreeSearchSettings(draft_top_k=4, beam_width=4, remain_total=8,
+                                                          context_ngram_weight=0.5))
     prompt = torch.randint(3, 48, (1, 9), generator=torch.Generator().manual_seed(3))
     models = []
     for _ in range(2):  # two requests: a new model each, the same one step after step
@@ -490,7 +490,7 @@ def test_simulated_tau_sees_the_context_model_as_serving_does() -> None:
     head.eval()
     tree = {"draft_top_k": 6, "beam_width": 4, "remain_total": 10, "context_ngram_weight": 0.5,
             "ngram_on_first_level": True}
-    dart = DartModel(base, head, tree=tree)
+    dart = DartModel(base, head, tree=TreeSearchSettings(**tree))  # given whole: no CPU-default extras
     sequences, steps = [], []
     for i in range(3):
         prompt = torch.randint(3, vocab, (8 + i,), generator=torch.Generator().manual_seed(40 + i))

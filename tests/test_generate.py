@@ -367,27 +367,28 @@ def test_from_pretrained_picks_the_tree_for_its_device(saved_pair: Path) -> None
     import yaml
 
     from dart_infer.cli import configs_dir
-    from dart_infer.generate import CPU_TREE, default_tree
+    from dart_infer.generate import CPU_FP32_TREE, CPU_TREE, default_tree
 
-    model = DartModel.from_pretrained(str(saved_pair / "base"), str(saved_pair / "head"))
-    assert model.tree == default_tree("cpu") == CPU_TREE and model.tree.remain_total == 12
+    model = DartModel.from_pretrained(str(saved_pair / "base"), str(saved_pair / "head"))  # float32
+    assert model.tree == default_tree("cpu", torch.float32) == CPU_FP32_TREE and model.tree.remain_total == 6
+    assert default_tree("cpu", torch.bfloat16) == default_tree("cpu") == CPU_TREE and CPU_TREE.remain_total == 24
     assert default_tree("cuda") == TreeSearchSettings() and default_tree("cuda").remain_total == 60
-    # The config groups say the same as the code (tree=cpu / tree=gpu; tree=auto = the device's).
-    for name, device in (("cpu", "cpu"), ("gpu", "cuda")):
+    # The config groups say the same as the code (tree=cpu / cpu-fp32 / gpu; tree=auto = the device's).
+    for name, device, dtype in (("cpu", "cpu", torch.bfloat16), ("cpu-fp32", "cpu", torch.float32), ("gpu", "cuda", None)):
         fields = yaml.safe_load((configs_dir() / "tree" / f"{name}.yaml").read_text())
-        assert TreeSearchSettings().with_overrides(fields) == default_tree(device), name
+        assert TreeSearchSettings().with_overrides(fields) == default_tree(device, dtype), name
     auto = yaml.safe_load((configs_dir() / "tree" / "auto.yaml").read_text())
     assert TreeSearchSettings().with_overrides(auto) == TreeSearchSettings()  # all null: nothing overridden
     # A mapping overrides fields of the device's default; settings given whole are kept as given.
     small = DartModel.from_pretrained(str(saved_pair / "base"), str(saved_pair / "head"), tree={"remain_total": 5})
-    assert small.tree == dataclasses.replace(CPU_TREE, remain_total=5)
+    assert small.tree == dataclasses.replace(CPU_FP32_TREE, remain_total=5)
     small.tree = TreeSearchSettings(remain_total=7)
     assert small.tree == TreeSearchSettings(remain_total=7)
     with pytest.raises(TypeError, match="unknown tree-search settings"):
         small.tree = {"beam": 2}
     prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(0))
     _, stats = model.dart_generate(prompt, max_new_token_num=20, return_stats=True)
-    assert max(stats.tree_sizes) <= 12
+    assert max(stats.tree_sizes) <= CPU_FP32_TREE.remain_total + CPU_FP32_TREE.copy_span_tokens
 
 
 def test_bf16_serving_loads_and_copies_consistently(saved_pair: Path) -> None:

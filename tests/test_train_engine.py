@@ -279,14 +279,14 @@ def test_accepted_length_on_a_hand_built_tree() -> None:
 
 def test_simulated_tau_matches_dart_generate_on_greedy_data(target) -> None:
     """On target-greedy data, simulated acceptance per anchor == DartModel's acceptance at that step."""
-    from dart_infer.generate import DartModel
+    from dart_infer.generate import DartModel, TreeSearchSettings
     from dart_train.evaluate import SimulatedTau
 
     torch.manual_seed(11)
     cfg = DartDraftConfig.from_target_config(target.model.config, draft_length=4, draft_vocab_size=VOCAB)
     head = DartDraftModel(cfg).eval()  # random head; the small vocab makes deep acceptances common
     tree = {"draft_top_k": 25, "beam_width": 20, "remain_total": 60}
-    dart = DartModel(target.model, head, tree=tree)
+    dart = DartModel(target.model, head, tree=TreeSearchSettings(**tree))  # the same tree as simulated τ
     sequences, steps = [], []
     for i in range(4):
         prompt = torch.randint(3, VOCAB, (6 + i,), generator=torch.Generator().manual_seed(20 + i))
