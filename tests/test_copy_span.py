@@ -1,7 +1,8 @@
 """Copy spans in the tree (beyond the paper: prompt lookup inside DART's tree): what `copy_span`
 finds in a history, how `with_copy_span` merges it into a tree, and both consumers through
 `draft_trees`: serving (lossless, deeper acceptance than the draft's d levels on text that repeats
-itself) and simulated τ (the same acceptance as serving, anchor by anchor)."""
+itself); simulated τ is checked against serving anchor by anchor in test_context_ngram.py
+(test_simulated_tau_sees_tree_extras_as_serving_does)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from test_context_ngram import bigram_machine
 from test_generate import reference, tiny_pair
 
-from dart_infer import DartDraftConfig, DartDraftModel, DartModel
+from dart_infer import DartModel
 from dart_infer.tree import DraftTree, TreeSearchSettings, copy_span, tree_from_parents, with_copy_span
 
 
@@ -143,51 +144,3 @@ def test_serving_accepts_past_the_draft_depth_on_text_that_repeats_itself() -> N
     print(f"tau with copy spans {taus}, without {plain_taus}")
     assert longest > head.config.draft_length  # deeper than the draft's levels
     assert sum(taus) / 4 > sum(plain_taus) / 4 + 3.0, (taus, plain_taus)
-
-
-def test_simulated_tau_sees_copy_spans_as_serving_does() -> None:
-    from dart_infer.target import TargetModel
-    from dart_train.dataset import TokenizedDataset
-    from dart_train.evaluate import SimulatedTau
-    from dart_train.states import OnlineStateSource
-
-    base, _ = bigram_machine(seed=1)
-    target = TargetModel(base)
-    vocab = base.config.vocab_size
-    torch.manual_seed(11)
-    head = DartDraftModel(DartDraftConfig.from_target_config(base.config, draft_length=4, draft_vocab_size=vocab))
-    head.eval()
-    span = 8
-    tree = {"draft_top_k": 6, "beam_width": 4, "remain_total": 10, "copy_span_tokens": span}
-    dart = DartModel(base, head, tree=TreeSearchSettings(**tree))  # given whole: no CPU-default extras
-    sequences, steps = [], []
-    for i in range(3):
-        prompt = torch.randint(3, vocab, (8 + i,), generator=torch.Generator().manual_seed(40 + i))
-        out, stats = dart.dart_generate(prompt[None], max_new_token_num=40, return_stats=True)
-        assert torch.equal(out, reference(base, prompt[None], 40))
-        seq = out[0]
-        mask = torch.zeros(seq.numel(), dtype=torch.bool)
-        mask[prompt.numel() :] = True
-        sequences.append({"input_ids": seq, "loss_mask": mask})
-        position = prompt.numel() + 1
-        for accepted, emitted in zip(stats.accept_lengths, stats.emitted, strict=True):
-            steps.append((len(sequences) - 1, position - 2, accepted))
-            position += emitted
-    source = OnlineStateSource(target, topk=None, hidden_dtype=torch.float32)
-    results = {}
-    for tokens in (span, 0):
-        evaluator = SimulatedTau(
-            TokenizedDataset(sequences), source, eos_token_ids=dart.eos_token_ids,
-            tree={**tree, "copy_span_tokens": tokens}, anchors_per_sequence=10_000, batch_size=2,
-        )
-        results[tokens] = {(r[0], r[1]): r[2] for r in evaluator.anchor_results(head)[0]}
-    compared = 0
-    for index, t, accepted in steps:
-        # Skip anchors whose tree may reach past the sequence's end (serving saw more tokens there).
-        if t + 2 + 4 + span > sequences[index]["input_ids"].numel() or (index, t) not in results[span]:
-            continue
-        assert results[span][(index, t)] == accepted, (index, t)
-        compared += 1
-    assert compared >= 5 and any(a > 4 for _, _, a in steps), steps
-    tau_on, tau_off = (sum(r.values()) / len(r) for r in (results[span], results[0]))
-    assert tau_on > tau_off + 1.0
