@@ -152,7 +152,12 @@ def test_cli_end_to_end(tiny_dart, tmp_path: Path) -> None:
     summary = saved["summary"]
     assert set(summary) == {"humaneval", str(prompts)}
     assert summary["humaneval"]["T=0"]["dart"]["identical_to_ar"] == 1.0
-    assert saved["meta"]["tree"]["remain_total"] == 4 and saved["meta"]["tree"]["draft_top_k"] == 8  # CPU default
+    # The float32 CPU default (the tiny model serves in fp32) with the one field overridden.
+    from dart_infer.generate import CPU_FP32_TREE
+
+    assert saved["meta"]["tree"]["remain_total"] == 4
+    assert saved["meta"]["tree"]["draft_top_k"] == CPU_FP32_TREE.draft_top_k
+    assert saved["meta"]["tree"]["copy_span_tokens"] == CPU_FP32_TREE.copy_span_tokens
     assert "skipped 1 malformed" in result.stderr
 
 
