@@ -318,8 +318,12 @@ def test_resumed_runs_log_to_a_new_wandb_segment(tmp_path) -> None:
 
 
 def test_hardware_group_sets_trainer_tree_and_dtype_together() -> None:
+    from dart_infer.generate import CPU_TREE
+
     cpu, gpu = _compose(), _compose("hardware=gpu")
-    assert (cpu.trainer.zero_stage, cpu.model.dtype, cpu.train_eval.tree.remain_total) == (0, "float32", 12)
+    # The CPU tree of configs/tree/cpu.yaml, the same as DartModel's CPU default.
+    assert (cpu.trainer.zero_stage, cpu.model.dtype, cpu.train_eval.tree.remain_total) == (0, "float32", CPU_TREE.remain_total)
+    assert cpu.train_eval.tree.copy_span_tokens == CPU_TREE.copy_span_tokens
     assert (gpu.trainer.zero_stage, gpu.trainer.bf16, gpu.model.dtype) == (2, True, "bfloat16")
     assert gpu.train_eval.tree.remain_total == 60 and gpu.trainer.max_anchors == 512  # the paper's tree, bounded
     # What the command line names still wins.
