@@ -6,7 +6,8 @@ API (used by `dart_train.states`, `dart_train.evaluate`, the training engine and
   rank=0, world_size=1)`: batches of similar lengths, deterministic per (seed, epoch).
 - `ResumableLoader(dataset, batch_sampler)`: iterate batches (collated, no worker processes);
   `state_dict()` / `load_state_dict()` restore the exact position (epoch + batches consumed), so a
-  resumed run sees exactly the batches an uninterrupted run would have seen next.
+  resumed run sees exactly the batches an uninterrupted run would have seen next; `skip(n)` moves
+  past n batches unread (a head continued from another run starts on the data that run did not use).
 - `collate(items, pad_token_id=0)` → `{"input_ids" [B,T] long, "loss_mask" [B,T] bool,
   "attention_mask" [B,T] bool (True = real token), "position_ids" [B,T] long, "lengths" [B],
   "indices" [B] (dataset indices: the offline state cache is looked up by them)}`. Right padding,
@@ -288,6 +289,25 @@ class ResumableLoader:
                 yield collate([self.dataset[i] for i in batch], self.pad_token_id)
         self.epoch += 1
         self.position = 0
+
+    def skip(self, batches: int) -> None:
+        """Move past `batches` batches of the order without loading them (across epochs).
+
+        For a run that continues a head another run trained on the same data, seed and batching:
+        skipping that run's batches makes this one start on data the head has not seen.
+        """
+        if batches < 0:
+            raise ValueError(f"cannot skip a negative number of batches ({batches})")
+        remaining = batches
+        while remaining:
+            left_in_epoch = len(self.batch_sampler.batches(self.epoch)) - self.position
+            if left_in_epoch <= 0:
+                raise ValueError("the loader has no batches to skip: empty dataset")
+            step = min(remaining, left_in_epoch)
+            self.position += step
+            remaining -= step
+            if self.position == len(self.batch_sampler.batches(self.epoch)):
+                self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
         return {

@@ -513,8 +513,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     source = _state_source(cfg, target, dataset, run_dir)
     evaluator = _evaluator(cfg, target, tokenizer, cfg)
     trainer = DartTrainer(head, source, loader, settings, run_dir, evaluator=evaluator)
-    if resuming and not trainer.resume():
+    resumed = resuming and trainer.resume()
+    if resuming and not resumed:
         log.warning("resume=true but %s holds no checkpoint yet: starting from step 0", run_dir)
+    if not resumed and int(t.get("skip_batches") or 0):  # a resumed loader already sits past them
+        loader.skip(int(t.skip_batches))
+        log.info("trainer.skip_batches=%d: starting at epoch %d, batch %d", int(t.skip_batches),
+                 loader.epoch, loader.position)
     # After resume: the wandb run a resumed segment logs into depends on the checkpoint's step.
     wandb_run = _wandb(cfg, run_dir, trainer.step) if rank == 0 else None
     trainer.wandb_run = wandb_run

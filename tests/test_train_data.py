@@ -258,6 +258,24 @@ def test_loader_resume_is_exact():
         ResumableLoader(ds, LengthBucketBatchSampler(ds.lengths, batch_size=4, seed=12)).load_state_dict(state)
 
 
+def test_loader_skip_lands_where_reading_would():
+    ds = synthetic_dataset(torch.randint(2, 40, (57,), generator=torch.Generator().manual_seed(1)).tolist())
+
+    def loader():
+        return ResumableLoader(ds, PackedBatchSampler(ds.lengths, row_tokens=48, max_tokens=96, seed=5))
+
+    reference = loader()
+    expected = [b["indices"].tolist() for _ in range(3) for b in reference]  # three epochs
+    per_epoch = len(reference)
+    for skip in (0, 3, per_epoch, per_epoch + 2):  # inside an epoch, at its end, into the next
+        skipped = loader()
+        skipped.skip(skip)
+        rest = [b["indices"].tolist() for _ in range(3) for b in skipped][: len(expected) - skip]
+        assert rest == expected[skip:], skip
+    with pytest.raises(ValueError, match="negative"):
+        loader().skip(-1)
+
+
 # ------------------------------------------------------------------------------- draft vocabulary
 
 
