@@ -25,6 +25,9 @@ $(VENV)/.deps-stamp: pyproject.toml constraints.txt Makefile
 	# dart-app's browser test drives Debian's Chromium + ChromeDriver with Selenium (no browser download).
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	    { apt-get update -q && apt-get install -y -q chromium chromium-driver; }
+	# tcmalloc: the dart-* scripts preload it (dart_infer.allocator): CPU training steps ~1.2x faster.
+	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || \
+	    { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }
 	touch $@
 
 venv: $(VENV)/.deps-stamp

@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=16384)
     parser.add_argument("--topk", type=int, default=64)
     parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--only", action="append", default=None, metavar="VARIANT",
+                        help="run only this online variant (its printed name; repeatable); implies --skip-offline")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -139,19 +141,24 @@ def main() -> None:
         bf16_labels = OnlineStateSource(target_bf16, topk=args.topk, labels_only=True)
         compiled = OnlineStateSource(target_bf16, topk=args.topk, labels_only=True, compile=True)
         old, new = "online OLD autocast/buckets/fp32", "online NEW bf16/packed/autocast/labels/compiled"
-        online = interleaved({
-            old: trainer(autocast, "buckets", tmp_path / "a"),
-            "online bf16/buckets/fp32": trainer(bf16, "buckets", tmp_path / "b"),
-            "online bf16/packed/fp32": trainer(bf16, "packed", tmp_path / "c"),
-            "online bf16/packed/autocast": trainer(bf16, "packed", tmp_path / "d", "bfloat16"),
-            "online bf16/packed/autocast/labels": trainer(bf16_labels, "packed", tmp_path / "g", "bfloat16"),
-            new: trainer(compiled, "packed", tmp_path / "h", "bfloat16"),
-        })
+        variants = {  # built lazily: --only skips the others' set-up
+            old: lambda: trainer(autocast, "buckets", tmp_path / "a"),
+            "online bf16/buckets/fp32": lambda: trainer(bf16, "buckets", tmp_path / "b"),
+            "online bf16/packed/fp32": lambda: trainer(bf16, "packed", tmp_path / "c"),
+            "online bf16/packed/autocast": lambda: trainer(bf16, "packed", tmp_path / "d", "bfloat16"),
+            "online bf16/packed/autocast/labels": lambda: trainer(bf16_labels, "packed", tmp_path / "g", "bfloat16"),
+            new: lambda: trainer(compiled, "packed", tmp_path / "h", "bfloat16"),
+        }
+        unknown = set(args.only or ()) - set(variants)
+        if unknown:
+            raise SystemExit(f"--only: no such variant {sorted(unknown)}; the variants: {list(variants)}")
+        online = interleaved({name: make() for name, make in variants.items() if not args.only or name in args.only})
         results["online"] = online
-        ratio = online[new]["tokens_per_s"] / online[old]["tokens_per_s"]
-        results["online_new_over_old"] = ratio
-        print(f"online new/old: {ratio:.2f}x", flush=True)
-        if not args.skip_offline:
+        if old in online and new in online:
+            ratio = online[new]["tokens_per_s"] / online[old]["tokens_per_s"]
+            results["online_new_over_old"] = ratio
+            print(f"online new/old: {ratio:.2f}x", flush=True)
+        if not args.skip_offline and not args.only:
             started = time.perf_counter()
             manifest = precompute_states(target_bf16, dataset, tmp_path / "cache", topk=args.topk, progress=False)
             seconds = time.perf_counter() - started

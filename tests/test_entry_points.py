@@ -86,3 +86,26 @@ def test_demo_passes_its_hardware_to_the_training_and_evaluation_stages(tmp_path
     assert ev.tree.remain_total == 60 and default_ev.tree.remain_total != 60  # the paper's GPU tree
     assert train_cfg.trainer.max_tokens == 2048  # the demo's own overrides still win over the group's
     assert ev.draft_model == "dart-smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_console_scripts_run_under_tcmalloc_unless_told_otherwise(name: str, tmp_path: Path) -> None:
+    # dart_infer.allocator re-executes the script with tcmalloc preloaded (~1.2x faster CPU training);
+    # the line comes from the process's own memory map, so it says what the process really runs with.
+    from dart_infer.allocator import find_tcmalloc
+
+    assert find_tcmalloc(), "tcmalloc is not installed: `make venv` installs libtcmalloc-minimal4"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DART_ALLOCATOR")}
+
+    def first_line(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([_script(name), "--cfg", "job"], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=120, env={**env, **extra})
+
+    default = first_line()
+    assert default.returncode == 0, default.stderr[-3000:]
+    assert default.stdout.splitlines()[0].startswith("# allocator: tcmalloc"), default.stdout[:300]
+    assert default.stdout.count("# allocator:") == 1  # re-executed once, not in a loop
+    system = first_line(DART_ALLOCATOR="system")
+    assert system.stdout.splitlines()[0] == "# allocator: glibc (DART_ALLOCATOR=system)"
+    missing = first_line(DART_ALLOCATOR=str(tmp_path / "libnothing.so"))
+    assert missing.returncode != 0 and "DART_ALLOCATOR" in missing.stderr and "no such file" in missing.stderr

@@ -2,7 +2,8 @@
 
 Entry points are thin apps: parse the config, print it, call library components. Apps follow the
 import direction dart_train -> dart_infer -> ngram_builder like everything else (tests/test_layout.py):
-`dart-ngram` and `dart-eval` live here, `dart-train` and `dart-demo` in dart_train.
+`dart-ngram` and `dart-eval` live here, `dart-train` and `dart-demo` in dart_train. Every console
+script starts under tcmalloc where it is installed (dart_infer.allocator: ~1.2x faster training steps).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+from dart_infer.allocator import describe_allocator, use_fast_allocator
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], object]], Ca
 
         @functools.wraps(fn)
         def main() -> None:
+            use_fast_allocator()  # may re-execute this script once, with tcmalloc preloaded
+            print(f"# {describe_allocator()}", flush=True)
             _run()
 
         return main
