@@ -57,6 +57,8 @@ def describe_allocator() -> str:
         return f"allocator: {name} ({ENV}=system for glibc's malloc)"
     if os.environ.get(ENV, "auto").strip() == "system":
         return f"allocator: glibc ({ENV}=system)"
+    if find_tcmalloc():
+        return "allocator: glibc (tcmalloc is preloaded only for the dart-* console scripts)"
     return ("allocator: glibc (no tcmalloc found: `apt-get install libtcmalloc-minimal4` makes CPU training "
             "steps ~1.2x faster)")
 

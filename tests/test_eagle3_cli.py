@@ -45,3 +45,22 @@ def test_dart_train_eagle3_end_to_end(tiny_checkpoint, conversations_file, tmp_p
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "loss" in m and "eval/tau" not in m] == [1, 2, 3, 4]
     assert OmegaConf.load(out / "config.yaml").draft.method == "eagle3"
+
+
+def test_dart_and_eagle3_runs_share_one_offline_state_cache(tiny_checkpoint, conversations_file, tmp_path) -> None:  # noqa: F811
+    # The equal-budget comparison's cheap path: the target's states are computed once and both heads
+    # train on them (the cache is keyed by target, aux layers, data and settings, not by the head).
+    dart = run_cli([*overrides(tiny_checkpoint, conversations_file, tmp_path / "dart"), "states=offline",
+                    "train_eval.enabled=false"], tmp_path)
+    assert dart.returncode == 0, dart.stderr[-4000:]
+    caches = sorted((tmp_path / "artifacts" / "state-cache").rglob("manifest.json"))
+    assert len(caches) == 1
+    shards = {p: p.stat().st_mtime_ns for p in caches[0].parent.glob("shard-*.safetensors")}
+    args = [a for a in overrides(tiny_checkpoint, conversations_file, tmp_path / "eagle3") if not a.startswith("draft.")]
+    eagle3 = run_cli(["draft=eagle3", *args, "draft.draft_vocab_size=512", "draft.ttt_length=3", "states=offline",
+                      "train_eval.enabled=false"], tmp_path)
+    assert eagle3.returncode == 0, eagle3.stderr[-4000:]
+    assert sorted((tmp_path / "artifacts" / "state-cache").rglob("manifest.json")) == caches
+    assert shards and {p: p.stat().st_mtime_ns for p in shards} == shards  # read, not recomputed
+    assert f"offline states: {caches[0].parent}" in eagle3.stdout
+    assert (tmp_path / "eagle3" / "head" / "config.json").is_file()
