@@ -1,11 +1,13 @@
 """Held-out τ against training tokens, from the `metrics.jsonl` of one or more `dart-train` runs.
 
     python scripts/plot_tau_curve.py runs/ref3 [runs/other ...] --out docs/results/tau_vs_tokens.png
-    python scripts/plot_tau_curve.py runs/ref4:5.50 --prior docs/results/tau_vs_tokens.md --served 5.50:2.12
+    python scripts/plot_tau_curve.py runs/ref4:5.50:300 --prior docs/results/tau_vs_tokens.md --served 5.50:2.12
 
 A run given as `PATH:M` continues a head trained on M million tokens before (`draft.init_from`): its
-points are shifted by M. `--prior TABLE.md` draws the rows of an earlier table this script wrote (for
-runs whose metrics are gone) first and keeps them in the new table.
+points are shifted by M. `PATH:M:S` draws only its evaluations from step S on (earlier ones were
+made with other evaluation settings, e.g. another tree). `--prior TABLE.md` draws the rows of an
+earlier table this script wrote (for runs whose metrics are gone) first and keeps them in the new
+table, except the rows of runs given again (so the same command rewrites its table as a run goes on).
 
 Each evaluation row of a run (`eval/tau`, written every `train_eval.every` steps) is placed at the
 tokens the run had trained on by then (the sum of the step rows' tokens up to that step; rows are
@@ -58,19 +60,21 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     lines = ["| run | step | tokens (M) | held-out τ | τ (target argmax) | α_1 | eval loss |", "|---|---|---|---|---|---|---|"]
+    plotted = {Path(spec.partition(":")[0]).name for spec in args.runs}
     if args.prior:
         prior: dict[str, list[tuple[float, float]]] = {}
         for row in args.prior.read_text().splitlines()[2:]:
             cells = [c.strip() for c in row.strip().strip("|").split("|")]
-            if len(cells) == 7:
+            if len(cells) == 7 and cells[0] not in plotted:  # a run given again is redrawn from its metrics
                 prior.setdefault(cells[0], []).append((float(cells[2]), float(cells[3])))
                 lines.append(row.strip())
         for name, xy in prior.items():
             ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{name} (earlier run)")
     for spec in args.runs:
-        path, _, before = spec.partition(":")
+        path, _, rest = spec.partition(":")
+        before, _, first_step = rest.partition(":")
         run, offset = Path(path), float(before or 0) * 1e6
-        points = curve(run)
+        points = [p for p in curve(run) if p["step"] >= int(first_step or 0)]
         if not points:
             raise SystemExit(f"{run}: no evaluation rows (eval/tau) in metrics.jsonl yet")
         label = f"{run.name} (from {offset / 1e6:.2f} M)" if offset else run.name
