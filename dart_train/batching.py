@@ -300,13 +300,13 @@ class ResumableLoader:
             raise ValueError(f"cannot skip a negative number of batches ({batches})")
         remaining = batches
         while remaining:
-            left_in_epoch = len(self.batch_sampler.batches(self.epoch)) - self.position
-            if left_in_epoch <= 0:
+            epoch_length = len(self.batch_sampler.batches(self.epoch))
+            if epoch_length <= self.position:
                 raise ValueError("the loader has no batches to skip: empty dataset")
-            step = min(remaining, left_in_epoch)
+            step = min(remaining, epoch_length - self.position)
             self.position += step
             remaining -= step
-            if self.position == len(self.batch_sampler.batches(self.epoch)):
+            if self.position == epoch_length:
                 self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
