@@ -33,6 +33,9 @@ VARIANTS: dict[str, list[str]] = {
     "anchors192": ["trainer.max_anchors=192"],
     "anchors48": ["trainer.max_anchors=48"],
     "vocab32k": ["draft.draft_vocab_size=32768"],
+    # conversations cut at 512 / 2,048 tokens (rows stay trainer.max_tokens = 2,048 packed tokens)
+    "maxlen512": ["preprocess.max_length=512"],
+    "maxlen2048": ["preprocess.max_length=2048"],
 }
 
 
@@ -92,9 +95,10 @@ def main() -> None:
         run_dir = args.out / name
         if result(run_dir) is None:
             resume = ["resume=true"] if (run_dir / "config.yaml").exists() else []
-            command = [sys.executable, "-m", "dart_train.cli", *base_overrides(args, run_dir), *VARIANTS[name],
+            # the console script, not `python -m`: it preloads tcmalloc as users get it (dart_infer.allocator)
+            command = [str(Path(sys.executable).parent / "dart-train"), *base_overrides(args, run_dir), *VARIANTS[name],
                        *args.extra, *resume, f"hydra.run.dir={run_dir / 'hydra'}"]
-            print(f"# {name}: {' '.join(command[3:])}", flush=True)
+            print(f"# {name}: dart-train {' '.join(command[1:])}", flush=True)
             started = time.time()
             with open(args.out / f"{name}.log", "a") as log:
                 done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env)
