@@ -1,7 +1,7 @@
 """Held-out τ against training tokens, from the `metrics.jsonl` of one or more `dart-train` runs.
 
     python scripts/plot_tau_curve.py runs/ref3 [runs/other ...] --out docs/results/tau_vs_tokens.png
-    python scripts/plot_tau_curve.py runs/ref4:5.50:300 --prior docs/results/tau_vs_tokens.md --served 5.50:2.12
+    python scripts/plot_tau_curve.py runs/ref4:5.50 --prior docs/results/tau_vs_tokens.md --served 5.50:2.12
 
 A run given as `PATH:M` continues a head trained on M million tokens before (`draft.init_from`): its
 points are shifted by M. `PATH:M:S` draws only its evaluations from step S on (earlier ones were
@@ -43,6 +43,13 @@ def curve(run_dir: Path) -> list[dict[str, float]]:
     return points
 
 
+def parse_run(spec: str) -> tuple[Path, float, int]:
+    """`PATH[:M[:S]]` -> (run directory, tokens trained before it, first step drawn)."""
+    path, _, rest = spec.partition(":")
+    before, _, first_step = rest.partition(":")
+    return Path(path), float(before or 0) * 1e6, int(first_step or 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories, each optionally PATH:M (M million tokens before)")
@@ -60,7 +67,8 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     lines = ["| run | step | tokens (M) | held-out τ | τ (target argmax) | α_1 | eval loss |", "|---|---|---|---|---|---|---|"]
-    plotted = {Path(spec.partition(":")[0]).name for spec in args.runs}
+    runs = [parse_run(spec) for spec in args.runs]
+    plotted = {run.name for run, _, _ in runs}
     if args.prior:
         prior: dict[str, list[tuple[float, float]]] = {}
         for row in args.prior.read_text().splitlines()[2:]:
@@ -70,11 +78,8 @@ def main() -> None:
                 lines.append(row.strip())
         for name, xy in prior.items():
             ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{name} (earlier run)")
-    for spec in args.runs:
-        path, _, rest = spec.partition(":")
-        before, _, first_step = rest.partition(":")
-        run, offset = Path(path), float(before or 0) * 1e6
-        points = [p for p in curve(run) if p["step"] >= int(first_step or 0)]
+    for run, offset, first_step in runs:
+        points = [p for p in curve(run) if p["step"] >= first_step]
         if not points:
             raise SystemExit(f"{run}: no evaluation rows (eval/tau) in metrics.jsonl yet")
         label = f"{run.name} (from {offset / 1e6:.2f} M)" if offset else run.name
