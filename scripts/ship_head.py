@@ -86,7 +86,9 @@ def model_card(name: str, head_dir: Path, run: Path | None, evals: list[Path], t
                       "| run | step | tokens (M) | τ | eval loss |", "|---|---|---|---|---|"]
             for row in (prior_table.read_text().splitlines()[2:] if prior_table else []):
                 cells = [c.strip() for c in row.strip().strip("|").split("|")]
-                if len(cells) == 7:  # a plot_tau_curve.py table: run, step, tokens, τ, τ target, α_1, loss
+                # A plot_tau_curve.py table: run, step, tokens, τ, τ target, α_1, loss. The shipped run's
+                # own rows come from its metrics below, so a table that also covers it is not repeated.
+                if len(cells) == 7 and cells[0] != run.name:
                     lines.append(f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[6]} |")
             lines += [f"| {run.name} | {p['step']} | {(p['tokens'] + prior_tokens) / 1e6:.2f} | {p['tau']:.3f} | "
                       f"{p['loss']:.2f} |" for p in points]
@@ -137,7 +139,7 @@ def main() -> None:
     parser.add_argument("--command", default="", help="the dart-train command line for the card")
     parser.add_argument("--continues", default="", help="what the run continued from (draft.init_from), for the card")
     parser.add_argument("--prior-tokens", type=float, default=0.0, help="million tokens the head saw before the run")
-    parser.add_argument("--prior-table", type=Path, help="plot_tau_curve.py table of the earlier run(s)")
+    parser.add_argument("--prior-table", type=Path, help="plot_tau_curve.py table of the earlier run(s) (rows of --run itself are skipped)")
     args = parser.parse_args()
     out = ship(args.head, args.name, args.run, args.eval, args.trained_at, args.command,
                prior_tokens=args.prior_tokens * 1e6, continues=args.continues, prior_table=args.prior_table)
