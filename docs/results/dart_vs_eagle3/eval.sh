@@ -1,7 +1,8 @@
 # DART vs EAGLE-3, served: each head's tree fitted on this machine in bf16, then both evaluated against
 # the baselines, methods interleaved per prompt. Run after train.sh, with the same OUT:
 #   OUT=runs/cmp3m bash docs/results/dart_vs_eagle3/eval.sh
-# LIMIT prompts x NEW tokens per benchmark (default 8 x 128); DART_GRID, EAGLE3_GRID: the fits' grids.
+# LIMIT prompts x NEW tokens per benchmark (default 8 x 128); DART_GRID, EAGLE3_GRID: the fits' grids;
+# BASELINES: the dtypes plain decoding is timed in (the fastest of them is the reference).
 # The trees are fitted on ShareGPT train
 # conversations that train.sh's LIMIT=9000 did not train on (the first ones after row 9000 from other
 # source conversations, opening with a user turn), so no benchmark prompt picks its own tree.
@@ -12,6 +13,7 @@ set -euo pipefail
 OUT=${OUT:-runs/cmp}
 LIMIT=${LIMIT:-8}
 NEW=${NEW:-128}
+BASELINES=${BASELINES:-[float32,bfloat16]}  # the dtypes plain decoding is also timed in
 DART_GRID=${DART_GRID:-"fit.grid.draft_top_k=[8,16] fit.grid.beam_width=[4] fit.grid.remain_total=[12,24]"}
 EAGLE3_GRID=${EAGLE3_GRID:-"fit.eagle3_grid.top_k=[4] fit.eagle3_grid.depth=[3,5,7] fit.eagle3_grid.total_tokens=[12,24]"}
 FIT_PROMPTS_N=${FIT_PROMPTS_N:-3}
@@ -43,7 +45,7 @@ tree = yaml.safe_load(open(sys.argv[1]))['tree']
 print(' '.join(f'++eagle3_tree.{k}={v}' for k, v in tree.items()))" "$OUT/fit-eagle3/fit_tree.yaml")
 .venv/bin/dart-eval model.dtype=bfloat16 threads=2 draft_model=$DART tree=$OUT/fit-dart/fit_tree.yaml \
   eagle3_model=$EAGLE3 $eagle3_flags 'benchmarks=[mtbench,humaneval,sharegpt-heldout]' limit=$LIMIT \
-  max_new_tokens=$NEW 'temperature=[0.0]' 'methods=[ar,hf_generate,prompt_lookup,dart,eagle3]' \
+  max_new_tokens=$NEW 'temperature=[0.0]' 'methods=[ar,hf_generate,prompt_lookup,dart,eagle3]' "baseline_dtypes=$BASELINES" \
   out_dir=$OUT/served > "$OUT/served.log" 2>&1
 if [ "${EXTRAS:-0}" = 1 ]; then  # DART as served by default on CPUs: the fitted size + context n-grams + copy spans
   .venv/bin/dart-eval model.dtype=bfloat16 threads=2 draft_model=$DART tree=$OUT/fit-dart/fit_tree.yaml \
