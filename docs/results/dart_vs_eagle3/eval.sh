@@ -3,9 +3,9 @@
 #   OUT=runs/cmp3m bash docs/results/dart_vs_eagle3/eval.sh
 # LIMIT prompts x NEW tokens per benchmark (default 8 x 128); DART_GRID, EAGLE3_GRID: the fits' grids;
 # BASELINES: the dtypes plain decoding is timed in (the fastest of them is the reference).
-# The trees are fitted on ShareGPT train
-# conversations that train.sh's LIMIT=9000 did not train on (the first ones after row 9000 from other
-# source conversations, opening with a user turn), so no benchmark prompt picks its own tree.
+# The trees are fitted on ShareGPT train conversations that train.sh's LIMIT=9000 did not train on (the
+# first ones after row 9000 from other source conversations, opening with a user turn), so no benchmark
+# prompt picks its own tree.
 # DART runs the paper's search (draft + trie) in both steps: context n-grams and copy spans (our CPU
 # extras, which EAGLE-3 has no counterpart of) are off; EXTRAS=1 adds a DART-as-served row.
 set -euo pipefail

@@ -19,7 +19,6 @@ def train_row(run: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval/tau" in r]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows if "tokens_per_s" in r),
-            "tokens": sum(r["tokens"] for r in rows if "tokens_per_s" in r) * 10,  # logged every 10 steps
             "tau": evals[-1]["eval/tau"], "alpha_1": evals[-1]["eval/alpha_1"], "step": evals[-1]["step"]}
 
 
@@ -54,7 +53,8 @@ def main(out: Path) -> None:
           + f"; mean {statistics.mean(ratios):.2f}×")
     pl = {b: summary[b]["T=0"]["prompt_lookup"]["speedup_vs_fastest_plain"]
           for b in benches if "prompt_lookup" in summary[b]["T=0"]}
-    print("prompt lookup × fastest plain: " + ", ".join(f"{b} {v:.2f}×" for b, v in pl.items()))
+    if pl:
+        print("prompt lookup × fastest plain: " + ", ".join(f"{b} {v:.2f}×" for b, v in pl.items()))
 
 
 if __name__ == "__main__":
