@@ -5,12 +5,13 @@
 #       # because serving starts from first turns: docs/results/recipe_ab_2026-12-02.md): the target's
 #       # states are computed once into runs/state-cache (~12 GB) and both heads read them
 # Rerunning the same command continues where it stopped (resume=true); a finished head is not retrained.
+# LR sets both heads' peak lr; DART_LR / EAGLE3_LR set one head's (lr_sweep.sh picks them).
 # Then: OUT=<same> bash docs/results/dart_vs_eagle3/eval.sh (trees fitted per method, then served).
 OUT=${OUT:-runs/cmp}
 mkdir -p "$OUT"
 COMMON="data=sharegpt data.limit=${LIMIT:-null} states=${STATES:-online} preprocess.max_length=${MAXLEN:-1024} \
  trainer.max_tokens=2048 trainer.grad_accum=1 trainer.max_steps=${STEPS:-400} trainer.max_anchors=192 \
- trainer.save_every=${SAVE_EVERY:-100} optim.lr=${LR:-1e-3} optim.warmup_steps=20 draft.init_output_from_target=true \
+ trainer.save_every=${SAVE_EVERY:-100} optim.warmup_steps=20 draft.init_output_from_target=true \
  train_eval.every=${EVAL_EVERY:-200} train_eval.limit=12 logging.wandb.enabled=false logging.progress=false \
  logging.log_every=10 resume=true"
 train() {  # name, extra overrides...
@@ -19,7 +20,7 @@ train() {  # name, extra overrides...
   .venv/bin/dart-train output_dir="$OUT/$name" $COMMON "$@" >> "$OUT/$name.log" 2>&1
 }
 {  # one compound command: bash reads it whole before it starts, so editing this file mid-run is safe
-  train dart train_eval.ngram_model=runs/ngram/sharegpt/full.ngt
-  train eagle3 draft=eagle3
+  train dart optim.lr=${DART_LR:-${LR:-1e-3}} train_eval.ngram_model=runs/ngram/sharegpt/full.ngt
+  train eagle3 optim.lr=${EAGLE3_LR:-${LR:-1e-3}} draft=eagle3
   exit
 }
