@@ -487,8 +487,9 @@ def plot(summary: Summary, out: Path) -> dict[str, Path]:
         ax.set_xticks([g + width * (len(labels) - 1) / 2 for g in range(len(groups))], names)
         ax.set_title(title)
     axes[0].axhline(1.0, color="gray", lw=0.8)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    # Below both panels, so the legend never hides a bar.
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(labels), 7), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     paths["speedup_plot"] = out / "speedup_tau.png"
     fig.savefig(paths["speedup_plot"], dpi=100)
     plt.close(fig)
