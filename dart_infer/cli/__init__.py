@@ -4,6 +4,9 @@ Entry points are thin apps: parse the config, print it, call library components.
 import direction dart_train -> dart_infer -> ngram_builder like everything else (tests/test_layout.py):
 `dart-ngram` and `dart-eval` live here, `dart-train` and `dart-demo` in dart_train. Every console
 script starts under tcmalloc where it is installed (dart_infer.allocator: ~1.2x faster training steps).
+
+Every command checks its composed config first (`checks.check_config`: unknown keys, types, ranges,
+names) and reports any error as one line with a documented exit code (`dart_infer.errors`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
@@ -18,6 +22,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dart_infer.allocator import describe_allocator, use_fast_allocator
+from dart_infer.cli.checks import check_hydra_job, hydra_error
+from dart_infer.errors import report
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +51,33 @@ def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], object]], Ca
     import hydra
 
     def decorate(fn: Callable[[DictConfig], object]) -> Callable[[], None]:
+        command = f"dart-{config_name}"
+
+        failures: list[int] = []  # exit codes of failed jobs (a multirun goes on to its next job)
+
         @hydra.main(config_path=str(configs_dir()), config_name=config_name, version_base="1.3")
         def _run(cfg: DictConfig) -> None:
             # Offline by default: this project's defaults never need the network.
             os.environ.setdefault("WANDB_MODE", "offline")
-            print(f"# resolved config ({config_name})\n" + OmegaConf.to_yaml(cfg, resolve=True), flush=True)
-            fn(cfg)
+            try:
+                check_hydra_job(command, config_name, cfg)
+                print(f"# resolved config ({config_name})\n" + OmegaConf.to_yaml(cfg, resolve=True), flush=True)
+                fn(cfg)
+            except Exception as err:  # reported here, as one line, instead of by Hydra
+                failures.append(report(err, command))
 
         @functools.wraps(fn)
         def main() -> None:
             use_fast_allocator()  # may re-execute this script once, with tcmalloc preloaded
             print(f"# {describe_allocator()}", flush=True)
-            _run()
+            # Hydra raises its own config errors instead of printing a trimmed traceback.
+            os.environ["HYDRA_FULL_ERROR"] = "1"
+            try:
+                _run()
+            except (Exception, KeyboardInterrupt) as err:
+                sys.exit(report(hydra_error(err, command, config_name), command))
+            if failures:
+                sys.exit(failures[0])
 
         return main
 
