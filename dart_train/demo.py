@@ -12,9 +12,12 @@ from pathlib import Path
 
 import torch
 from hydra import compose
+from hydra.errors import HydraException
 from omegaconf import DictConfig, open_dict
 
 from dart_infer.cli import hydra_app
+from dart_infer.cli.checks import check_composed, hydra_error
+from dart_infer.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +27,11 @@ def _compose(name: str, cfg: DictConfig, overrides: list[str], dtype: str | None
     hardware = hardware_choice()
     if hardware and name in ("train", "eval"):  # the ngram stage has no hardware group
         shared.append(f"hardware={hardware}")
-    stage = compose(config_name=name, overrides=[*shared, *overrides])
+    try:
+        stage = compose(config_name=name, overrides=[*shared, *overrides])
+        check_composed(f"dart-{name}", name, stage, [*shared, *overrides])
+    except (HydraException, InputError) as err:
+        raise InputError(f"the demo's {name} stage: {hydra_error(err, f'dart-{name}', name)}") from err
     # Every stage renders conversations with the demo's chat template (set here, not as an override
     # string: a Jinja string would need Hydra quoting).
     with open_dict(stage):
@@ -52,10 +59,13 @@ def serve_dtype(cfg: DictConfig) -> str:
     return "bfloat16" if native_bf16(device) else "float32"
 
 
-def build_trie(cfg: DictConfig) -> Path:
+def ngram_config(cfg: DictConfig) -> DictConfig:
+    return _compose("ngram", cfg, list(cfg.ngram_overrides))
+
+
+def build_trie(ngram_cfg: DictConfig) -> Path:
     from dart_infer.cli.ngram import run_build
 
-    ngram_cfg = _compose("ngram", cfg, list(cfg.ngram_overrides))
     trie = Path(ngram_cfg.out_dir) / "full.ngt"
     if trie.exists():
         print(f"[demo 1/3] reusing the trie {trie} (delete it to rebuild)", flush=True)
@@ -65,14 +75,15 @@ def build_trie(cfg: DictConfig) -> Path:
     return trie
 
 
-def train_head(cfg: DictConfig, trie: Path) -> Path:
+def train_config(cfg: DictConfig, trie: Path) -> DictConfig:
+    run_dir = Path(cfg.out_dir) / "train"
+    return _compose("train", cfg, [*cfg.train_overrides, f"output_dir={run_dir}", f"train_eval.ngram_model={trie}"])
+
+
+def train_head(train_cfg: DictConfig) -> Path:
     from dart_train.cli import train
 
-    run_dir = Path(cfg.out_dir) / "train"
-    train_cfg = _compose(
-        "train", cfg, [*cfg.train_overrides, f"output_dir={run_dir}", f"train_eval.ngram_model={trie}"]
-    )
-    print(f"[demo 2/3] training a DART head into {run_dir}", flush=True)
+    print(f"[demo 2/3] training a DART head into {train_cfg.output_dir}", flush=True)
     summary = train(train_cfg)
     best = summary.get("best") or {}
     if best.get("tau") is not None:
@@ -96,9 +107,16 @@ def main(cfg: DictConfig) -> None:
     from dart_infer.cli.eval import run_eval
 
     if int(cfg.train_steps) <= 0 and not cfg.draft_model:
-        raise ValueError("train_steps=0 skips training, so give the head to serve: draft_model=<name or directory>")
-    trie = Path(cfg.ngram_model) if cfg.ngram_model else build_trie(cfg)
-    trained = train_head(cfg, trie) if int(cfg.train_steps) > 0 else None
+        raise InputError("train_steps=0 skips training, so give the head to serve: draft_model=<name or directory>")
+    # Every stage's config is composed and checked before the first stage starts (the eval stage's
+    # with the shipped head standing in for the one still to be trained).
+    ngram_cfg = None if cfg.ngram_model else ngram_config(cfg)
+    trie = Path(cfg.ngram_model) if cfg.ngram_model else Path(ngram_cfg.out_dir) / "full.ngt"
+    train_cfg = train_config(cfg, trie) if int(cfg.train_steps) > 0 else None
+    eval_config(cfg, cfg.draft_model or next(iter(EMBEDDED_HEADS)), trie)
+    if ngram_cfg is not None:
+        build_trie(ngram_cfg)
+    trained = train_head(train_cfg) if train_cfg is not None else None
     head = str(cfg.draft_model) if cfg.draft_model else trained
     print(f"[demo 3/3] serving the head {head}" + (" (shipped with the package)" if cfg.draft_model in
           EMBEDDED_HEADS else ""), flush=True)

@@ -163,6 +163,10 @@ def run(script: str, *args: str, env: dict[str, str] | None = None) -> subproces
     ("dart-demo", ["train_steps=-1"], "dart-demo: error: train_steps=-1: must be >= 0"),
     ("dart-app", ["model=nonexist"], "dart-app: error: model=nonexist: no such option (choose from custom,"),
     ("dart-eval", ["limit=[1"], "dart-eval: error: cannot parse the override 'limit=[1'"),
+    # The demo checks every stage's config before its first stage starts.
+    ("dart-demo", ["eval_overrides=['limit=abc']"], "dart-demo: error: the demo's eval stage: limit=abc: expected"),
+    ("dart-demo", ["train_overrides=['trainer.max_stepz=3']"],
+     "dart-demo: error: the demo's train stage: unknown key trainer.max_stepz"),
 ])
 def test_commands_print_one_line_and_exit_2(script, args, expected, tmp_path) -> None:
     result = run(script, *args, f"hydra.run.dir={tmp_path}")

@@ -235,6 +235,14 @@ def check_hydra_job(command: str, config_name: str, cfg: DictConfig) -> None:
     check_config(command, cfg, compose(config_name=config_name, overrides=chosen))
 
 
+def check_composed(command: str, config_name: str, cfg: DictConfig, overrides: list[str]) -> None:
+    """`check_config` for a config composed with `hydra.compose` (a `dart-demo` stage)."""
+    from hydra import compose
+
+    choices = compose(config_name=config_name, overrides=overrides, return_hydra_config=True).hydra.runtime.choices
+    check_config(command, cfg, compose(config_name=config_name, overrides=group_overrides(overrides, choices)))
+
+
 def _default_keys(config_name: str) -> list[str]:
     """Every key of a command's default config (for 'did you mean'), composed outside any Hydra run."""
     from hydra import compose, initialize_config_dir
@@ -242,7 +250,8 @@ def _default_keys(config_name: str) -> list[str]:
 
     from dart_infer.cli import configs_dir
 
-    GlobalHydra.instance().clear()
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra job (a dart-demo stage)
+        return list(leaves(compose(config_name=config_name)))
     with initialize_config_dir(str(configs_dir()), version_base="1.3"):
         return list(leaves(compose(config_name=config_name)))
 
