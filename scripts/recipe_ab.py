@@ -8,7 +8,7 @@
 Every variant is the base recipe plus a few `dart-train` overrides (VARIANTS below), trained for the
 same number of optimiser steps of `trainer.max_tokens` packed tokens, so every run sees the same
 number of tokens. τ is simulated on held-out conversations the target answered itself (greedy), where
-it equals what serving measures (README: "Does simulated τ predict serving?"). Runs already finished
+it equals what serving measures (docs/reference-head.md). Runs already finished
 (their `summary.json` exists) are not repeated; a killed run resumes. Prints and writes a table
 (`<out>/ab.md`, `<out>/ab.json`) of τ, α_1, loss, tokens and seconds per variant.
 """
