@@ -35,8 +35,11 @@ def _is_bad_input(err: BaseException) -> bool:
     """Errors that mean 'the input is wrong' rather than 'the program failed'."""
     from omegaconf.errors import OmegaConfBaseException
 
+    from ngram_builder import NgramFormatError, NgramMismatchError
+    from ngram_builder.build import MalformedLineError
+
     if isinstance(err, (InputError, OmegaConfBaseException, FileNotFoundError, NotADirectoryError,
-                        IsADirectoryError)):
+                        IsADirectoryError, NgramFormatError, NgramMismatchError, MalformedLineError)):
         return True
     try:  # Hydra's own config errors (unknown group option, bad override syntax, missing key)
         from hydra.errors import HydraException

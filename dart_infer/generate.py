@@ -178,6 +178,7 @@ class DartModel(nn.Module):
         *,
         dtype: torch.dtype | str | None = None,
         ngram_mmap: bool = True,
+        ngram_verify: bool = False,
         tree: TreeSearchSettings | Mapping[str, Any] | None = None,
         profile: bool = False,
         chat_template: str | None = None,
@@ -190,7 +191,8 @@ class DartModel(nn.Module):
         on a CPU, the paper's 60-node tree on a GPU). Names go through
         `dart_infer.assets.resolve_model`, so the embedded "smollm2-135m-instruct" works offline.
         `ngram_mmap=False` reads the trie into memory with its query index (faster trie queries,
-        slower load; see `NgramTrie.load`). `chat_template`: the tokenizer's chat template, for base
+        slower load; see `NgramTrie.load`); `ngram_verify=True` also checks its payload checksum (a
+        structural check always runs). `chat_template`: the tokenizer's chat template, for base
         models without one (a built-in name such as "gemma-turns", a .jinja path or a Jinja string;
         None: the tokenizer's own; see `dart_infer.loading.load_tokenizer`), as the head was trained with."""
         from transformers import AutoModelForCausalLM
@@ -215,7 +217,8 @@ class DartModel(nn.Module):
         draft = cast_parameters(draft.to(device=weight.device), weight.dtype)
         trie = None
         if ngram_model_name_or_path is not None:
-            trie = load_trie(resolve_model(ngram_model_name_or_path), is_small_ngram, mmap=ngram_mmap)
+            trie = load_trie(resolve_model(ngram_model_name_or_path), is_small_ngram, mmap=ngram_mmap,
+                             verify=ngram_verify)
         model = cls(base_model, draft, tokenizer, trie, tree=tree, profile=profile)
         return model.eval()
 

@@ -145,8 +145,9 @@ def load_draft_model(
 ) -> Any:
     """Load a head saved by us or by the authors; any missing, unreadable or mis-shaped tensor is an error.
     `model_class`/`kind`: another head type and its name in messages (`dart_infer.eagle3`)."""
-    from dart_infer.assets import resolve_model
+    from dart_infer.assets import check_model_reference, resolve_model
 
+    check_model_reference(str(path), f"{kind} head", head=True)  # a typo fails here, not on the network
     source = resolve_model(path)
     local = Path(source)
     if local.exists():
@@ -165,13 +166,15 @@ def load_draft_model(
     return model
 
 
-def load_trie(path: str | Path, is_small_ngram: bool = False, mmap: bool = True) -> Any:
+def load_trie(path: str | Path, is_small_ngram: bool = False, mmap: bool = True, verify: bool = False) -> Any:
     """An `ngram_builder.NgramTrie` from a file, or from a directory holding full/small tries.
 
     In a directory (the authors' release layout, or a `dart-ngram` output dir) `is_small_ngram`
     picks small over full, and for the same size the compact `.ngt` wins over the original `.trie`
-    (memory-mapped: sub-ms load instead of seconds). `mmap=False` reads a compact trie into memory
-    with its query index instead (faster queries, see `NgramTrie.load`).
+    (memory-mapped: milliseconds instead of seconds). `mmap=False` reads a compact trie into memory
+    with its query index instead (faster queries, see `NgramTrie.load`). Every load checks the
+    payload's structure (`ngram_builder.CorruptTrieError`, one line naming the file); `verify=True`
+    (the commands' `ngram_verify`) adds the payload checksum.
     """
     from ngram_builder import NgramTrie
 
@@ -186,4 +189,4 @@ def load_trie(path: str | Path, is_small_ngram: bool = False, mmap: bool = True)
         location = found[0]
     elif not location.is_file():
         raise FileNotFoundError(f"n-gram trie not found: {location}")
-    return NgramTrie.open(location, mmap=mmap)  # either format: the project's compact one or the original
+    return NgramTrie.open(location, mmap=mmap, verify=verify)  # either format: the compact one or the original

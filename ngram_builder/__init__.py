@@ -16,6 +16,6 @@ on a corrupt (unverified) file it reports the affected candidates as unseen (0.0
 Python methods raise `NgramFormatError`.
 """
 
-from .trie import NgramFormatError, NgramMismatchError, NgramTrie
+from .trie import CorruptTrieError, NgramFormatError, NgramMismatchError, NgramTrie
 
-__all__ = ["NgramFormatError", "NgramMismatchError", "NgramTrie"]
+__all__ = ["CorruptTrieError", "NgramFormatError", "NgramMismatchError", "NgramTrie"]

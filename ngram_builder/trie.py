@@ -19,6 +19,18 @@ class NgramMismatchError(ValueError):
     """The trie was built for another tokenizer (fingerprint or vocabulary size differ)."""
 
 
+class CorruptTrieError(NgramFormatError):
+    """A trie file whose data breaks the format's invariants (a count above its parent's, a token id
+    outside the vocabulary, child offsets out of order, a checksum mismatch with `verify=True`).
+    The message is one line: the file, what is wrong and where, and how to rebuild it."""
+
+
+def _corrupt(path: str | os.PathLike[str], err: Exception) -> CorruptTrieError:
+    where = Path(path)
+    return CorruptTrieError(f"{where}: corrupt trie ({err}); rebuild it with "
+                            f"`dart-ngram out_dir={where.parent} overwrite=true` (and the ngram= it was built from)")
+
+
 TokenIds = Sequence[int] | np.ndarray
 
 _DEFAULT_ORDER = 3
@@ -166,7 +178,10 @@ class NgramTrie:
 
     def verify(self) -> None:
         """Full check of the image (payload checksum, every offset, sort order, escapes)."""
-        self._t.verify()
+        try:
+            self._t.verify()
+        except _core.CorruptTrieData as err:
+            raise CorruptTrieError(f"corrupt trie ({err})") from None
 
     def _ngram_query_capsule(self) -> Any:
         """PyCapsule `DART_NGRAM_QUERY_CAPSULE` holding a `const dart::NgramQuery*` (see package doc)."""
@@ -180,16 +195,21 @@ class NgramTrie:
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, verify: bool = False, mmap: bool = True,
              vocab_size: int | None = None, tokenizer_fingerprint: str | None = None) -> NgramTrie:
-        """Memory-map a compact trie. Header and section table are always checked; `verify=True`
-        also checks the payload checksum and every node. `vocab_size` / `tokenizer_fingerprint`
-        (of the model it will be used with) raise `NgramMismatchError` when they disagree.
+        """Memory-map a compact trie. Header, section table and the payload's structure are always
+        checked (one pass over the nodes: token ids, sort order, child offsets, escapes, no count
+        above its parent's; `CorruptTrieError` names what and where); `verify=True` also checks the
+        payload checksum and the level-2 hash. `vocab_size` / `tokenizer_fingerprint` (of the model
+        it will be used with) raise `NgramMismatchError` when they disagree.
 
         `mmap=False` is the faster-query load: the file is read into 2 MB transparent huge pages
         (fewer TLB misses) and a per-context candidate index is built (one cache line less per
         candidate): ~15% faster queries on the ShareGPT trie, for ~30 ms of load per 56 MB and
         ~15% more memory, private instead of the shared page cache. Huge pages need transparent
         huge pages set to `madvise` or `always` (/sys/kernel/mm/transparent_hugepage/enabled)."""
-        trie = cls._wrap(_core.Trie.load(_readable_file(path), bool(verify), not mmap))
+        try:
+            trie = cls._wrap(_core.Trie.load(_readable_file(path), bool(verify), not mmap))
+        except _core.CorruptTrieData as err:
+            raise _corrupt(path, err) from None
         trie.check_compatible(vocab_size=vocab_size, tokenizer_fingerprint=tokenizer_fingerprint)
         return trie
 
@@ -211,10 +231,14 @@ class NgramTrie:
     @classmethod
     def load_dart(cls, path: str | os.PathLike[str], *, vocab_size: int | None = None,
                   tokenizer_fingerprint: str = "") -> NgramTrie:
-        """Read the original DART `.trie` format (fully validated)."""
+        """Read the original DART `.trie` format (fully validated, counts too: `CorruptTrieError`)."""
         if vocab_size is not None and vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-        return cls._wrap(_core.Trie.load_dart(_readable_file(path), int(vocab_size or 0), tokenizer_fingerprint))
+        try:
+            core = _core.Trie.load_dart(_readable_file(path), int(vocab_size or 0), tokenizer_fingerprint)
+        except _core.CorruptTrieData as err:
+            raise _corrupt(path, err) from None
+        return cls._wrap(core)
 
     def save_dart(self, path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
         """Write the original DART `.trie` format (readable by the authors' code)."""

@@ -93,10 +93,12 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
 
 def load_trie(cfg: DictConfig, model: Any) -> tuple[Any, str | None]:
     """(trie or None, a notice or None). `ngram_model: auto` takes `default_ngram_model` when it exists
-    and fits the tokenizer; an explicit path that is missing or does not fit is said on the page."""
+    and fits the tokenizer; a trie that is missing, corrupt or does not fit is said on the page (DART then
+    runs without one, as the README says for dart-app)."""
     from dart_infer.assets import resolve_model
     from dart_infer.loading import check_trie_matches_tokenizer
     from dart_infer.loading import load_trie as read_trie
+    from ngram_builder import NgramFormatError
 
     value = cfg.ngram_model
     if value is None or str(value).lower() in ("", "none", "null"):
@@ -108,8 +110,10 @@ def load_trie(cfg: DictConfig, model: Any) -> tuple[Any, str | None]:
             return None, (f"No n-gram trie at {path} (build it with `dart-ngram`): DART runs without a trie.")
         return None, f"ngram_model={value}: no such trie file or directory; DART runs without a trie."
     try:
-        trie = read_trie(path, mmap=bool(cfg.ngram_mmap))
+        trie = read_trie(path, mmap=bool(cfg.ngram_mmap), verify=bool(cfg.get("ngram_verify", False)))
         check_trie_matches_tokenizer(trie, model.tokenizer, model.target.vocab_size)
+    except NgramFormatError as err:  # corrupt or unreadable: the message names the file and how to rebuild it
+        return None, f"{err}; DART runs without a trie."
     except (ValueError, OSError) as err:
         return None, f"The trie {path} cannot be used with this model ({err}); DART runs without a trie."
     return trie, None

@@ -335,7 +335,7 @@ class PyTrie {
     }
     if (!img) img = Image::map_file(out_path);
     return std::make_unique<PyTrie>(
-        std::make_shared<TrieView>(img, false, out_path.empty() ? "pruned trie" : "'" + out_path + "'"));
+        std::make_shared<TrieView>(img, Check::kTrusted, out_path.empty() ? "pruned trie" : "'" + out_path + "'"));
   }
 
   void save(const std::string& path) {
@@ -352,24 +352,27 @@ class PyTrie {
     std::shared_ptr<TrieView> v;
     {
       py::gil_scoped_release nogil;
-      v = std::make_shared<TrieView>(Image::map_file(path, in_memory), verify, "'" + path + "'");
+      v = std::make_shared<TrieView>(Image::map_file(path, in_memory), verify ? Check::kFull : Check::kStructure,
+                                     "'" + path + "'");
       if (in_memory) v->build_candidate_index();
     }
     return std::make_unique<PyTrie>(v);
   }
   static std::unique_ptr<PyTrie> load_dart_file(const std::string& path, uint64_t vocab_size, const std::string& fp) {
     check_fp(fp);
-    std::shared_ptr<Image> img;
+    std::shared_ptr<TrieView> v;
     {
       py::gil_scoped_release nogil;
-      img = ngb::load_dart(path, vocab_size, fp);
+      // The parser checks the original format's structure but not its counts: the same pass as a
+      // compact load then refuses a count above its parent's.
+      v = std::make_shared<TrieView>(ngb::load_dart(path, vocab_size, fp), Check::kStructure, "'" + path + "'");
     }
-    return std::make_unique<PyTrie>(view_of(img));
+    return std::make_unique<PyTrie>(v);
   }
   void verify() {
     auto v = frozen();
     py::gil_scoped_release nogil;
-    TrieView(v->image(), true, "trie");
+    TrieView(v->image(), Check::kFull, "trie");
   }
 
   py::list top_continuations(py::handle context, size_t k) {
@@ -563,9 +566,14 @@ static py::tuple bench_memory(double mb, uint64_t reads) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "C++ core of ngram_builder: n-gram trie build, prune, merge, formats and queries";
   static py::exception<FormatError> format_error(m, "NgramFormatError", PyExc_ValueError);
+  // A payload failing the load-time checks; the message is what and where, without the file
+  // (ngram_builder.trie turns it into CorruptTrieError naming the file).
+  static py::exception<CorruptError> corrupt_error(m, "CorruptTrieData", format_error.ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const CorruptError& e) {
+      py::set_error(corrupt_error, e.what());
     } catch (const FormatError& e) {
       py::set_error(format_error, e.what());
     } catch (const IoError& e) {

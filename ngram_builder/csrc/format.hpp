@@ -32,6 +32,12 @@ namespace ngb {
 struct FormatError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// A payload that breaks the format's invariants (header intact): the message is only what is wrong
+// and where ("count 9 above its parent's 4, at level-3 node 17"); the Python layer prefixes the
+// file and says how to rebuild it (maps to ngram_builder.CorruptTrieError).
+struct CorruptError : FormatError {
+  using FormatError::FormatError;
+};
 // Operating-system level I/O failure (maps to OSError).
 struct IoError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -76,6 +82,31 @@ struct Section {
 #pragma pack(pop)
 static_assert(sizeof(Header) == kHeaderBytes, "header size");
 static_assert(sizeof(Section) == 32, "section size");
+
+// Element i of a little-endian unsigned array of `width` (1/2/4/8) bytes per element.
+inline uint64_t read_uint(const uint8_t* p, uint32_t width, uint64_t i) {
+  switch (width) {
+    case 1:
+      return p[i];
+    case 2: {
+      uint16_t v;
+      std::memcpy(&v, p + i * 2, 2);
+      return v;
+    }
+    case 4: {
+      uint32_t v;
+      std::memcpy(&v, p + i * 4, 4);
+      return v;
+    }
+    default: {
+      uint64_t v;
+      std::memcpy(&v, p + i * 8, 8);
+      return v;
+    }
+  }
+}
+// The escape value of a count width (all ones); 8-byte counts have none.
+inline uint64_t sentinel(uint32_t width) { return width >= 8 ? UINT64_MAX : ((1ull << (8 * width)) - 1); }
 
 inline uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 

@@ -113,29 +113,6 @@ Image::~Image() {
 // TrieView
 
 namespace {
-inline uint64_t read_uint(const uint8_t* p, uint32_t width, uint64_t i) {
-  switch (width) {
-    case 1:
-      return p[i];
-    case 2: {
-      uint16_t v;
-      std::memcpy(&v, p + i * 2, 2);
-      return v;
-    }
-    case 4: {
-      uint32_t v;
-      std::memcpy(&v, p + i * 4, 4);
-      return v;
-    }
-    default: {
-      uint64_t v;
-      std::memcpy(&v, p + i * 8, 8);
-      return v;
-    }
-  }
-}
-inline uint64_t sentinel(uint32_t width) { return width >= 8 ? UINT64_MAX : ((1ull << (8 * width)) - 1); }
-
 // Level-2 node with token `tok` among [s, e) from hash slot `i` (UINT64_MAX: none), for level-2
 // tokens of type TT. Range first: entries of other parents are rejected without touching the
 // token array.
@@ -184,7 +161,7 @@ inline bool search_tokens(const uint8_t* base, uint64_t s, uint64_t e, uint32_t 
 }
 }  // namespace
 
-TrieView::TrieView(std::shared_ptr<Image> image, bool verify, const std::string& what)
+TrieView::TrieView(std::shared_ptr<Image> image, Check check, const std::string& what)
     : image_(std::move(image)) {
   const uint8_t* d = image_->data();
   const uint64_t size = image_->size();
@@ -217,7 +194,7 @@ TrieView::TrieView(std::shared_ptr<Image> image, bool verify, const std::string&
   std::vector<Section> table(hdr_.num_sections);
   std::memcpy(table.data(), d + kHeaderBytes, table.size() * sizeof(Section));
   if (header_checksum(hdr_, table.data(), table.size()) != hdr_.header_checksum)
-    throw FormatError(what + ": header checksum mismatch (corrupt file)");
+    throw CorruptError("header checksum mismatch, at offset 0");
 
   // Re-derive the layout from the per-level shape and require the table to match it exactly.
   std::vector<LevelShape> shape(order + 1);
@@ -287,7 +264,8 @@ TrieView::TrieView(std::shared_ptr<Image> image, bool verify, const std::string&
   // Cheap structural checks: child arrays span exactly the next level; level 1 sorted, in vocab.
   for (int k = 1; k < order; ++k) {
     if (child_at(lv_[k], 0) != 0 || child_at(lv_[k], lv_[k].n) != lv_[k + 1].n)
-      throw FormatError(what + ": child offsets of level " + std::to_string(k) + " are inconsistent");
+      throw CorruptError("child offsets of level " + std::to_string(k) + " do not span level " +
+                         std::to_string(k + 1) + ", at level-" + std::to_string(k) + " node 0");
   }
   if (lv_[1].n > hdr_.vocab_size) throw FormatError(what + ": more unigrams than vocabulary entries");
   const bool dense = hdr_.vocab_size <= (1ull << 27);
@@ -296,10 +274,14 @@ TrieView::TrieView(std::shared_ptr<Image> image, bool verify, const std::string&
   for (uint64_t i = 0; i < lv_[1].n; ++i) {
     uint32_t t = token_at(lv_[1], i);
     if (static_cast<int64_t>(t) <= prev || t >= hdr_.vocab_size)
-      throw FormatError(what + ": level-1 tokens unsorted or out of vocabulary");
+      throw CorruptError(std::string(t >= hdr_.vocab_size ? "token id " + std::to_string(t) + " outside the vocabulary of " +
+                                                                std::to_string(hdr_.vocab_size)
+                                                          : "level-1 tokens out of order") +
+                         ", at level-1 node " + std::to_string(i));
     prev = t;
     if (dense) dense1_[t] = static_cast<uint32_t>(i + 1);
   }
+  if (check != Check::kTrusted) check_structure();
   if (dense && order >= 2 && hash_slots_) {
     uni_.assign(hdr_.vocab_size, Unigram{});
     for (uint64_t i = 0; i < lv_[1].n; ++i) {
@@ -319,65 +301,35 @@ TrieView::TrieView(std::shared_ptr<Image> image, bool verify, const std::string&
     dense1_.clear();
     dense1_.shrink_to_fit();
   }
-  if (verify) full_verify(what);
+  if (check == Check::kFull) full_verify();
 }
 
-void TrieView::full_verify(const std::string& what) const {
+void TrieView::full_verify() const {
   const uint8_t* d = image_->data();
   const uint64_t start = align_up(kHeaderBytes + static_cast<uint64_t>(hdr_.num_sections) * sizeof(Section));
   Hasher h;
   h.update(d + start, image_->size() - start);
-  if (h.digest() != hdr_.payload_checksum) throw FormatError(what + ": payload checksum mismatch (corrupt file)");
-  const int order = static_cast<int>(hdr_.order);
-  if (hash_slots_) {
-    uint64_t used = 0;
-    for (uint64_t i = 0; i < hash_slots_; ++i) {
-      uint32_t j;
-      std::memcpy(&j, hash_ + i * 4, 4);
-      if (j == kHashEmpty) continue;
-      if (j >= lv_[2].n) throw FormatError(what + ": hash slot out of range");
-      ++used;
-    }
-    if (used != lv_[2].n) throw FormatError(what + ": hash table does not index every level-2 node");
-    for (uint64_t p = 0; p < lv_[1].n; ++p) {
-      const uint64_t s = child_at(lv_[1], p), e = child_at(lv_[1], p + 1);
-      if (s > e || e > lv_[2].n) throw FormatError(what + ": bad child offsets on level 1");
-      for (uint64_t j = s; j < e; ++j)
-        if (hash_find(token_at(lv_[1], p), token_at(lv_[2], j), s, e) != j) throw FormatError(what + ": hash table misses a node");
-    }
+  if (h.digest() != hdr_.payload_checksum)
+    throw CorruptError("payload checksum mismatch, somewhere in bytes " + std::to_string(start) + ".." +
+                       std::to_string(image_->size()));
+  if (!hash_slots_) return;
+  // Tokens, counts, escapes and child offsets were checked by check_structure; here the hash.
+  uint64_t used = 0;
+  for (uint64_t i = 0; i < hash_slots_; ++i) {
+    uint32_t j;
+    std::memcpy(&j, hash_ + i * 4, 4);
+    if (j == kHashEmpty) continue;
+    if (j >= lv_[2].n) throw CorruptError("level-2 hash slot out of range, at hash slot " + std::to_string(i));
+    ++used;
   }
-  for (int k = 1; k <= order; ++k) {
-    const LevelView& L = lv_[k];
-    // Escapes: strictly increasing, pointing at sentinel slots, one per sentinel.
-    const uint64_t sent = sentinel(L.count_bytes);
-    uint64_t n_sent = 0;
-    if (L.count_bytes < 8)
-      for (uint64_t i = 0; i < L.n; ++i) n_sent += read_uint(L.counts, L.count_bytes, i) == sent;
-    if (n_sent != L.n_esc) throw FormatError(what + ": escape table size mismatch on level " + std::to_string(k));
-    for (uint64_t j = 0; j < L.n_esc; ++j) {
-      uint64_t idx, val;
-      std::memcpy(&idx, L.esc_idx + j, 8);
-      std::memcpy(&val, L.esc_val + j, 8);
-      if (idx >= L.n || (j > 0 && idx <= L.esc_idx[j - 1]) || read_uint(L.counts, L.count_bytes, idx) != sent ||
-          val < sent)
-        throw FormatError(what + ": bad escape entry on level " + std::to_string(k));
-    }
-    if (k < order) {
-      const LevelView& N = lv_[k + 1];
-      uint64_t prev_end = 0;
-      for (uint64_t i = 0; i < L.n; ++i) {
-        uint64_t s = child_at(L, i), e = child_at(L, i + 1);
-        if (s != prev_end || e < s || e > N.n) throw FormatError(what + ": bad child offsets on level " + std::to_string(k));
-        prev_end = e;
-        int64_t p = -1;
-        for (uint64_t c = s; c < e; ++c) {
-          uint32_t t = token_at(N, c);
-          if (static_cast<int64_t>(t) <= p || t >= hdr_.vocab_size)
-            throw FormatError(what + ": tokens unsorted or out of vocabulary on level " + std::to_string(k + 1));
-          p = t;
-        }
-      }
-    }
+  if (used != lv_[2].n)
+    throw CorruptError("level-2 hash indexes " + std::to_string(used) + " of " + std::to_string(lv_[2].n) +
+                       " nodes, at the level-2 hash");
+  for (uint64_t p = 0; p < lv_[1].n; ++p) {
+    const uint64_t s = child_at(lv_[1], p), e = child_at(lv_[1], p + 1);
+    for (uint64_t j = s; j < e; ++j)
+      if (hash_find(token_at(lv_[1], p), token_at(lv_[2], j), s, e) != j)
+        throw CorruptError("level-2 hash misses a node, at level-2 node " + std::to_string(j));
   }
 }
 
@@ -1740,7 +1692,7 @@ std::shared_ptr<Image> CsrBuilder::finish(const std::string& path, const std::st
 // Algorithms
 
 std::shared_ptr<TrieView> view_of(std::shared_ptr<Image> img) {
-  return std::make_shared<TrieView>(std::move(img), false, "in-memory trie");
+  return std::make_shared<TrieView>(std::move(img), Check::kTrusted, "in-memory trie");
 }
 
 std::shared_ptr<TrieView> empty_trie(int order, uint64_t vocab_size, const std::string& fingerprint) {

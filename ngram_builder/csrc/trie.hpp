@@ -70,13 +70,20 @@ struct LevelView {
   uint32_t child_bytes = 4;
 };
 
+// How much of an image a TrieView checks when it is made. Header, section table, child-offset
+// ends and level-1 tokens are always checked (O(vocabulary)).
+enum class Check {
+  kTrusted,    // nothing more: an image this process has just built
+  kStructure,  // + one O(nodes) pass over the payload's invariants (check.cpp): every file load
+  kFull,       // + the payload checksum and the level-2 hash (verify=True)
+};
+
 // Read-only view over an image. Every offset read from the payload is bounds-checked, so a corrupt
-// (unverified) file yields `ok == false`, never an out-of-bounds read.
+// (unchecked) image yields `ok == false`, never an out-of-bounds read.
 class TrieView : public dart::NgramQuery {
  public:
-  // Parses and checks header, section table and the cheap invariants (O(vocab)); `verify`
-  // additionally checks the payload checksum and every node (O(size)). Throws FormatError.
-  TrieView(std::shared_ptr<Image> image, bool verify, const std::string& what);
+  // Throws FormatError for a bad header or layout, CorruptError for a payload that fails `check`.
+  TrieView(std::shared_ptr<Image> image, Check check, const std::string& what);
 
   int order() const override { return static_cast<int>(hdr_.order); }
   void probability(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
@@ -121,7 +128,10 @@ class TrieView : public dart::NgramQuery {
   bool has_hash() const { return hash_slots_ > 0; }
 
  private:
-  void full_verify(const std::string& what) const;
+  // O(nodes): tokens in vocabulary and sorted within each child run, child offsets monotone,
+  // escape tables matching the escaped counts, no count above its parent's (check.cpp).
+  void check_structure() const;
+  void full_verify() const;  // payload checksum and level-2 hash
   // probability_checked for any shape (binary searches and find_path per context length).
   bool probability_generic(const int32_t* context, size_t context_len, const int32_t* tokens, size_t n,
                            float* probs, int32_t* matched) const;
