@@ -19,7 +19,8 @@ Sources (`load_conversations(source, split=..., limit=...)`):
 - `"hf:<name>[:<config>]"`: anything `datasets.load_dataset` opens (split from `split`, default
   "train"), rows in one of the shapes above.
 
-Malformed rows are counted, skipped and reported with one warning per source.
+Malformed rows are counted, skipped and reported with one warning per source. `load_prompt_file`
+(dart-eval's benchmark files) also refuses a file that yields no prompt at all.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dart_infer.assets import asset_path
+from dart_infer.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -152,18 +154,60 @@ def load_conversations(source: str, *, split: str | None = None, limit: int | No
 # ---------------------------------------------------------------------------------------------- rows
 
 
-def _parse_rows(rows: Iterable[tuple[int, Any]], source: str) -> Iterator[Conversation]:
-    """Parse (row index, row) pairs; malformed rows are counted and reported once at the end."""
-    malformed: list[str] = []
+def _parse_rows(
+    rows: Iterable[tuple[int, Any]], source: str, malformed: list[str] | None = None
+) -> Iterator[Conversation]:
+    """Parse (row index, row) pairs; malformed rows are counted and reported once at the end, or
+    collected into `malformed` for the caller to report."""
+    report = malformed is None
+    malformed = [] if malformed is None else malformed
     for index, row in rows:
         try:
             yield _parse_row(row, index, source)
         except MalformedRowError as error:
             malformed.append(f"row {index}: {error}")
+    if malformed and report:
+        _warn_malformed(source, malformed)
+
+
+def _warn_malformed(source: str, malformed: list[str]) -> None:
+    message = f"{source}: skipped {len(malformed)} malformed row(s), e.g. {malformed[0]}"
+    log.warning(message)
+    warnings.warn(message, stacklevel=3)
+
+
+PROMPT_SCHEMA = (
+    "JSON lines (.jsonl) or a JSON array (.json), optionally .gz, of objects with 'prompt' (or 'instruction'), "
+    "'messages' [{role, content}], 'conversations' [{from, value}] or 'turns' [text], with a user turn"
+)
+
+
+def load_prompt_file(path: str | Path, *, limit: int | None = None) -> list[Conversation]:
+    """A benchmark's prompt file: its conversations that have a user turn (others are skipped with
+    one warning). A file that yields none (empty, another schema, not JSON) is refused before any
+    work: InputError naming the file, a bad row and its field, and the schema expected."""
+    path = Path(path).expanduser()
+    malformed: list[str] = []
+    try:
+        rows = list(_iter_file_rows(path))
+        conversations = list(_parse_rows(rows, str(path), malformed))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        if isinstance(error, InputError):
+            raise
+        raise InputError(f"benchmark file {path}: cannot read it ({error}); expected {PROMPT_SCHEMA}") from error
+    prompts = []
+    for conversation in conversations:
+        if any(m["role"] == "user" for m in conversation.messages):
+            prompts.append(conversation)
+        else:
+            malformed.append(f"id {conversation.id!r}: no user turn")
+    if not prompts:
+        problem = "is empty" if not rows else f"has no usable prompt in its {len(rows)} row(s) ({malformed[0]})"
+        raise InputError(f"benchmark file {path} {problem}; expected {PROMPT_SCHEMA}; fix the file or leave it "
+                         "out of benchmarks")
     if malformed:
-        message = f"{source}: skipped {len(malformed)} malformed row(s), e.g. {malformed[0]}"
-        log.warning(message)
-        warnings.warn(message, stacklevel=2)
+        _warn_malformed(str(path), malformed)
+    return prompts[:limit] if limit is not None else prompts
 
 
 def _parse_row(row: Any, index: int, source: str) -> Conversation:
@@ -246,7 +290,7 @@ def _iter_file_rows(path: Path) -> Iterator[tuple[int, Any]]:
     elif stem_suffix == ".json":
         yield from _iter_truncated_json_array(path)
     else:
-        raise ValueError(f"{path}: unsupported file type {stem_suffix!r}; expected .json or .jsonl (optionally .gz)")
+        raise InputError(f"{path}: unsupported file type {stem_suffix!r}; expected .json or .jsonl (optionally .gz)")
 
 
 def _iter_truncated_json_array(path: Path) -> Iterator[tuple[int, Any]]:
@@ -260,7 +304,7 @@ def _iter_truncated_json_array(path: Path) -> Iterator[tuple[int, Any]]:
     decoder = json.JSONDecoder()
     position = _skip_space(text, 0)
     if position >= len(text) or text[position] != "[":
-        raise ValueError(f"{path}: expected a JSON array")
+        raise InputError(f"{path}: expected a JSON array (a .json file holds [row, row, ...]; use .jsonl for one row a line)")
     position += 1
     index = 0
     truncated = False

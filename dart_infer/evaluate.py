@@ -21,22 +21,26 @@ drifts of a noisy machine hit every method alike. τ = tokens emitted per verifi
 included. Outputs are compared token for token with `ar` in the same dtype (lossless in float32,
 greedy), and at T=0 with the float32 target's greedy output (`ar` in float32) where that ran:
 share of prompts identical and tokens before the first difference.
+
+A run is a sequence of units (`Unit`: one prompt, turn and setting, every method); `Evaluator.run`
+hands each measured unit to `save` at once and takes the units a previous run measured from `resume`
+(`dart_infer.eval_records`). Summaries, tables, files and plots are in `dart_infer.results`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from dart_infer.conversations import Conversation
+from dart_infer.errors import InputError
 from dart_infer.generate import DartModel
 from dart_infer.sampling import GREEDY_TEMPERATURE, Sampler
 from dart_infer.stats import wall_clock
@@ -123,6 +127,18 @@ class Record:
     # T=0 against the float32 target's greedy output (`ar` in float32), where that ran:
     identical_to_fp32: bool | None = None
     tokens_to_first_difference: int | None = None  # common prefix; the whole output when identical
+    prompt_index: int | None = None  # the conversation's position in its benchmark (prompt ids may repeat)
+
+
+# (benchmark, prompt index, prompt digest, sampling label, turn): what one measurement is of. The
+# digest makes an edited prompt file's rows new units rather than reuse records of other prompts.
+Unit = tuple[str, int, str, str, int]
+
+
+def prompt_digest(conversation: Conversation) -> str:
+    """A short stable digest of a conversation's messages."""
+    text = json.dumps(conversation.messages, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -139,16 +155,30 @@ class EvalSettings:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS + EXTRA_METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS + EXTRA_METHODS)}")
+            raise InputError(f"methods: unknown method(s) {unknown}; choose from {list(METHODS + EXTRA_METHODS)}")
         if "ar" not in self.methods:
-            raise ValueError("the 'ar' method is the speedup baseline and must be included")
+            raise InputError("methods: the 'ar' method is the speedup baseline and must be included")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.samplings:
-            raise ValueError("give at least one sampling setting")
+            raise InputError("temperature: give at least one sampling setting")
         labels = [s.label for s in self.samplings]
         if len(set(labels)) != len(labels):
-            raise ValueError(f"sampling settings repeat: {labels}")
+            raise InputError(f"temperature: sampling settings repeat: {labels}; list each once")
+
+    def turns(self, conversation: Conversation) -> list[dict[str, str]]:
+        """The user turns a conversation is prompted with: the first, or all with `multi_turn`."""
+        user_turns = [m for m in conversation.messages if m["role"] == "user"]
+        return user_turns if self.multi_turn else user_turns[:1]
+
+    def units(self, benchmark: str, conversations: Sequence[Conversation]) -> list[Unit]:
+        """Every unit a run of `conversations` measures, in `Evaluator.run`'s order."""
+        return [
+            (benchmark, index, prompt_digest(conversation), sampling.label, turn)
+            for index, conversation in enumerate(conversations)
+            for sampling in self.samplings
+            for turn in range(len(self.turns(conversation)))
+        ]
 
 
 def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
@@ -302,40 +332,47 @@ class Evaluator:
             for sampling in self.settings.samplings:
                 self._runners[run.method](run, ids, self.settings.warmup_tokens, sampling, self.settings.seed)
 
-    def run(self, benchmark: str, conversations: Sequence[Conversation], progress: bool = True) -> list[Record]:
+    def run(
+        self, benchmark: str, conversations: Sequence[Conversation], progress: bool = True, *,
+        resume: Callable[[Unit], Sequence[Record] | None] | None = None,
+        save: Callable[[Unit, Sequence[Record]], None] | None = None,
+    ) -> list[Record]:
+        """Every unit's records, in `EvalSettings.units` order. `resume(unit)` gives a unit's records
+        from an earlier run (None: measure it); `save(unit, records)` gets each unit as soon as it is
+        measured. Skipped units still advance the seeds and the method rotation, so a resumed run
+        measures each remaining unit exactly as an uninterrupted one would."""
         from tqdm.auto import tqdm
 
         records: list[Record] = []
         runs = list(self.runs)
+        labels = {run.label for run in runs}
         serving_ar = next(r.label for r in runs if r.method == "ar" and r.model is self.model)
         counter = 0
         bar = tqdm(conversations, desc=f"{benchmark}", disable=not progress, unit="prompt")
-        for conversation in bar:
-            user_turns = [m for m in conversation.messages if m["role"] == "user"]
-            turns = user_turns if self.settings.multi_turn else user_turns[:1]
+        for index, conversation in enumerate(bar):
+            digest = prompt_digest(conversation)
+            turns = self.settings.turns(conversation)
             for sampling in self.settings.samplings:
                 history: list[dict[str, str]] = [m for m in conversation.messages[:1] if m["role"] == "system"]
                 for turn_index, user in enumerate(turns):
                     history.append(user)
-                    ids = chat_prompt(self.model.tokenizer, history)
                     seed = self.settings.seed + counter
                     shift = counter % len(runs)
                     counter += 1
-                    results = {
-                        run.label: self._runners[run.method](run, ids, self.settings.max_new_tokens, sampling, seed)
-                        for run in runs[shift:] + runs[:shift]
-                    }
-                    fp32 = results[self._fp32_ar].output_ids if self._fp32_ar and sampling.greedy else None
-                    for run in runs:
-                        record = results[run.label]
-                        record.benchmark, record.prompt_id, record.turn = benchmark, conversation.id, turn_index
-                        record.sampling, record.seed = sampling.label, seed
-                        same_dtype_ar = next(r.label for r in runs if r.method == "ar" and r.dtype == run.dtype)
-                        record.identical_to_ar = record.output_ids == results[same_dtype_ar].output_ids
-                        if fp32 is not None:
-                            record.identical_to_fp32 = record.output_ids == fp32
-                            record.tokens_to_first_difference = common_prefix(record.output_ids, fp32)
-                        records.append(record)
+                    unit: Unit = (benchmark, index, digest, sampling.label, turn_index)
+                    stored = resume(unit) if resume is not None else None
+                    if stored is not None and labels <= {r.label for r in stored}:
+                        results = {r.label: r for r in stored}
+                    else:
+                        ids = chat_prompt(self.model.tokenizer, history)
+                        results = {
+                            run.label: self._runners[run.method](run, ids, self.settings.max_new_tokens, sampling, seed)
+                            for run in runs[shift:] + runs[:shift]
+                        }
+                        self._annotate(results, runs, unit, conversation.id, seed, sampling)
+                        if save is not None:
+                            save(unit, [results[run.label] for run in runs])
+                    records += [results[run.label] for run in runs]
                     # The next turn sees one answer for every method: the float32 target's where it ran.
                     answer = results[self._fp32_ar or serving_ar].output_ids
                     history.append({"role": "assistant", "content": self.model.tokenizer.decode(
@@ -346,226 +383,18 @@ class Evaluator:
                     bar.set_postfix(tau=f"{sum(r.step_tokens or 0 for r in done) / max(1, sum(r.steps or 0 for r in done)):.2f}")
         return records
 
-
-# ------------------------------------------------------------------------------------ summaries
-
-
-Summary = dict[str, dict[str, dict[str, dict[str, Any]]]]  # benchmark -> sampling -> label -> row
-
-
-def summarize(records: Sequence[Record], draft_length: int) -> Summary:
-    """Per benchmark, sampling setting and method (label): τ, acceptance per position, tokens/s,
-    speedups (against the fastest plain decoding in any dtype and against `ar`/`hf_generate` in the
-    same dtype), time split, and agreement (with same-dtype `ar`; at T=0 with the float32 target)."""
-    grouped: dict[tuple[str, str], dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
-    for record in records:
-        grouped[record.benchmark, record.sampling][record.label or record.method].append(record)
-    summary: Summary = defaultdict(dict)
-    for (benchmark, sampling), by_label in grouped.items():
-        rows: dict[str, dict[str, Any]] = {}
-        for label, items in by_label.items():
-            tokens = sum(r.new_tokens for r in items)
-            seconds = sum(r.seconds for r in items)
-            steps = sum(r.steps or 0 for r in items)
-            step_tokens = sum(r.step_tokens or 0 for r in items)
-            accepts = [a for r in items for a in r.accept_lengths]
-            timings: dict[str, float] = defaultdict(float)
-            for r in items:
-                for phase, value in r.timings.items():
-                    timings[phase] += value
-            agreement = [r for r in items if r.identical_to_fp32 is not None]
-            rows[label] = {
-                "method": items[0].method,
-                "dtype": items[0].dtype,
-                "prompts": len(items),
-                "new_tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_second": tokens / seconds if seconds else 0.0,
-                "tau": step_tokens / steps if steps else None,
-                # Share of verification steps that accepted at least j draft tokens (j = 1..d).
-                "acceptance_by_position": [
-                    sum(a >= j for a in accepts) / len(accepts) for j in range(1, draft_length + 1)
-                ] if accepts else None,
-                # Copy spans can reach past the draft's d levels: the histogram runs to the longest.
-                "accept_length_histogram": [accepts.count(n) for n in range(max([draft_length, *accepts]) + 1)]
-                if accepts else None,
-                "time_split": {phase: timings[phase] / seconds for phase in PHASES if phase in timings} if seconds else {},
-                "identical_to_ar": sum(bool(r.identical_to_ar) for r in items) / len(items),
-                "identical_to_fp32": (
-                    sum(bool(r.identical_to_fp32) for r in agreement) / len(agreement) if agreement else None
-                ),
-                "tokens_to_first_difference": (
-                    sum(r.tokens_to_first_difference or 0 for r in agreement) / len(agreement) if agreement else None
-                ),
-            }
-        plain = [label for label, row in rows.items() if row["method"] in PLAIN and row["tokens_per_second"]]
-        fastest = max(plain, key=lambda label: rows[label]["tokens_per_second"]) if plain else None
-        for row in rows.values():
-            if fastest is not None:
-                row["fastest_plain"] = fastest
-                row["speedup_vs_fastest_plain"] = row["tokens_per_second"] / rows[fastest]["tokens_per_second"]
-            for base in PLAIN:
-                same = next((r for r in rows.values() if r["method"] == base and r["dtype"] == row["dtype"]), None)
-                if same is not None and same["tokens_per_second"]:
-                    row[f"speedup_vs_{base}"] = row["tokens_per_second"] / same["tokens_per_second"]
-        summary[benchmark][sampling] = rows
-    return dict(summary)
-
-
-def _ratio(row: dict[str, Any], key: str) -> str:
-    return f"{row[key]:.2f}×" if row.get(key) is not None else "–"
-
-
-def _share(value: float | None) -> str:
-    return f"{value * 100:.0f}%" if value is not None else "–"
-
-
-def markdown_table(summary: Summary) -> str:
-    """One row per benchmark, setting and method; the fastest plain decoding of each group below."""
-    lines = [
-        "| benchmark | setting | method | dtype | prompts | τ | tokens/s | × fastest plain | × AR (same dtype) "
-        "| × HF generate (same dtype) | identical to AR (same dtype) | identical to fp32 greedy "
-        "| tokens to 1st difference |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    notes = []
-    for benchmark, settings in summary.items():
-        for sampling, rows in settings.items():
-            for label, row in rows.items():
-                tau = f"{row['tau']:.2f}" if row["tau"] else "–"
-                first_diff = row.get("tokens_to_first_difference")
-                lines.append(
-                    f"| {benchmark} | {sampling} | {label} | {row['dtype']} | {row['prompts']} | {tau} | "
-                    f"{row['tokens_per_second']:.1f} | {_ratio(row, 'speedup_vs_fastest_plain')} | "
-                    f"{_ratio(row, 'speedup_vs_ar')} | {_ratio(row, 'speedup_vs_hf_generate')} | "
-                    f"{_share(row['identical_to_ar'])} | {_share(row.get('identical_to_fp32'))} | "
-                    f"{f'{first_diff:.1f}' if first_diff is not None else '–'} |"
-                )
-            fastest = next((row.get("fastest_plain") for row in rows.values()), None)
-            if fastest:
-                notes.append(f"{benchmark} {sampling}: {fastest} ({rows[fastest]['tokens_per_second']:.1f} tokens/s)")
-    if notes:
-        lines += ["", "Fastest plain decoding (AR or HF generate, any dtype) per benchmark and setting: "
-                  + "; ".join(notes) + "."]
-    return "\n".join(lines)
-
-
-def save_results(
-    out_dir: str | Path, records: Sequence[Record], summary: Summary, meta: dict[str, Any]
-) -> dict[str, Path]:
-    """Write results.json (everything), results.md (the table) and the plots; return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "markdown": out / "results.md"}
-    paths["json"].write_text(json.dumps(
-        {"meta": meta, "summary": summary, "records": [asdict(r) for r in records]}, indent=1))
-    paths["markdown"].write_text(markdown_table(summary) + "\n")
-    paths.update(plot(summary, out))
-    return paths
-
-
-def plot(summary: Summary, out: Path) -> dict[str, Path]:
-    """Speedup and τ per benchmark/setting and method, acceptance-length histogram, time breakdown (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths: dict[str, Path] = {}
-    groups = [(b, s) for b, settings in summary.items() for s in settings]
-    names = [f"{b}\n{s}" if len(groups) > len(summary) else b for b, s in groups]
-    labels = list(dict.fromkeys(label for b, s in groups for label in summary[b][s]))
-    width = 0.8 / max(1, len(labels))
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for i, label in enumerate(labels):
-        xs = [g + i * width for g in range(len(groups))]
-        rows = [summary[b][s].get(label, {}) for b, s in groups]
-        axes[0].bar(xs, [r.get("speedup_vs_fastest_plain") or 0 for r in rows], width, label=label)
-        axes[1].bar(xs, [r.get("tau") or 0 for r in rows], width, label=label)
-    for ax, title in zip(axes, ("speedup vs the fastest plain decoding", "τ (tokens per verification)"), strict=True):
-        ax.set_xticks([g + width * (len(labels) - 1) / 2 for g in range(len(groups))], names)
-        ax.set_title(title)
-    axes[0].axhline(1.0, color="gray", lw=0.8)
-    # Below both panels, so the legend never hides a bar.
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(labels), 7), fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    paths["speedup_plot"] = out / "speedup_tau.png"
-    fig.savefig(paths["speedup_plot"], dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (benchmark, sampling), name in zip(groups, names, strict=True):
-        for label, row in summary[benchmark][sampling].items():
-            hist = row.get("accept_length_histogram") if row["method"] in SPECULATIVE else None
-            if hist:
-                total = sum(hist)
-                ax.plot(range(len(hist)), [h / total for h in hist], marker="o",
-                        label=f"{name.replace(chr(10), ' ')}/{label}")
-    ax.set_xlabel("draft tokens accepted per step")
-    ax.set_ylabel("share of steps")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths["acceptance_plot"] = out / "acceptance_hist.png"
-    fig.savefig(paths["acceptance_plot"], dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bars, splits = [], []
-    for (benchmark, sampling), name in zip(groups, names, strict=True):
-        for label, row in summary[benchmark][sampling].items():
-            if row["method"] in ("ar", *SPECULATIVE):
-                bars.append(f"{name.replace(chr(10), ' ')}\n{label}")
-                splits.append(row["time_split"])
-    left = [0.0] * len(bars)
-    for phase in PHASES:
-        values = [split.get(phase, 0.0) for split in splits]
-        ax.barh(bars, values, left=left, label=phase)
-        left = [a + b for a, b in zip(left, values, strict=True)]
-    ax.set_xlabel("share of wall time")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths["time_plot"] = out / "time_breakdown.png"
-    fig.savefig(paths["time_plot"], dpi=100)
-    plt.close(fig)
-    return paths
-
-
-# ------------------------------------------------------------------------------- tree-size fit
-
-
-def fit_tree(
-    model: DartModel,
-    prompts: Sequence[torch.Tensor],
-    grid: Sequence[dict[str, int]],
-    max_new_tokens: int,
-) -> list[dict[str, Any]]:
-    """Measure DART's speedup over AR on this machine for each tree setting; best first.
-
-    A GPU verifies 60 nodes for about the cost of one; a CPU does not, so the tree that maximises
-    speedup depends on the hardware and has to be measured. Each setting is timed against AR runs
-    interleaved with its own, prompt by prompt, so drift of the machine's speed cancels in the ratio.
-    An `Eagle3Model` is fitted the same way over its dynamic tree's settings (top_k, depth, total_tokens).
-    """
-    for setting in grid:
-        model.tree.with_overrides(setting)  # validates names and values before timing
-    speculative = getattr(model, "eagle3_generate", None) or model.dart_generate
-    results = []
-    # Warm-up: first calls pay one-time kernel and allocator set-up that would flatter the later ones.
-    model.ar_generate(prompts[0], max_new_token_num=8)
-    speculative(prompts[0], max_new_token_num=8)
-    for setting in grid:
-        stats: dict[str, list[Any]] = {"ar": [], "dart": []}
-        for i, ids in enumerate(prompts):
-            for kind in ("ar", "dart") if i % 2 == 0 else ("dart", "ar"):  # alternate which goes first
-                generate = model.ar_generate if kind == "ar" else partial(speculative, tree=setting)
-                stats[kind].append(generate(ids, max_new_token_num=max_new_tokens, return_stats=True)[1])
-        ar, dart = stats["ar"], stats["dart"]
-        rate = sum(s.new_tokens for s in dart) / sum(s.wall_time for s in dart)
-        speedup = rate / (sum(s.new_tokens for s in ar) / sum(s.wall_time for s in ar))
-        tau = sum(sum(s.emitted) for s in dart) / sum(s.steps for s in dart)
-        nodes = sum(sum(s.tree_sizes) for s in dart) / max(1, sum(len(s.tree_sizes) for s in dart))
-        results.append({**setting, "tau": tau, "tree_nodes": nodes, "tokens_per_second": rate,
-                        "speedup_vs_ar": speedup})
-        log.info("tree %s: τ %.2f, %.1f tok/s, %.2f× AR", setting, tau, rate, speedup)
-    return sorted(results, key=lambda r: r["speedup_vs_ar"], reverse=True)
+    def _annotate(
+        self, results: dict[str, Record], runs: Sequence[_Run], unit: Unit, prompt_id: str, seed: int,
+        sampling: Sampling,
+    ) -> None:
+        """Fill in where each record of a unit comes from and how its output compares with AR's."""
+        fp32 = results[self._fp32_ar].output_ids if self._fp32_ar and sampling.greedy else None
+        for run in runs:
+            record = results[run.label]
+            record.benchmark, record.prompt_id, record.turn = unit[0], prompt_id, unit[4]
+            record.prompt_index, record.sampling, record.seed = unit[1], sampling.label, seed
+            same_dtype_ar = next(r.label for r in runs if r.method == "ar" and r.dtype == run.dtype)
+            record.identical_to_ar = record.output_ids == results[same_dtype_ar].output_ids
+            if fp32 is not None:
+                record.identical_to_fp32 = record.output_ids == fp32
+                record.tokens_to_first_difference = common_prefix(record.output_ids, fp32)

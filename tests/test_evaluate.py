@@ -16,17 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.assets import tokenizer_fingerprint
 from dart_infer.conversations import load_conversations
-from dart_infer.evaluate import (
-    METHODS,
-    EvalSettings,
-    Evaluator,
-    Sampling,
-    chat_prompt,
-    fit_tree,
-    markdown_table,
-    save_results,
-    summarize,
-)
+from dart_infer.evaluate import METHODS, EvalSettings, Evaluator, Sampling, chat_prompt
+from dart_infer.results import markdown_table, save_results, summarize
+from dart_infer.tree_fit import fit_tree
 from ngram_builder import NgramTrie
 
 VOCAB = 49152  # SmolLM2's tokenizer drives the chat template, so the tiny target shares its vocabulary
@@ -90,7 +82,9 @@ def test_every_method_on_two_turns(tiny_dart, tmp_path: Path) -> None:
         assert {"draft", "search", "verify"} <= set(rows[method]["time_split"])
     assert rows["ar"]["tau"] is None and rows["prompt_lookup"]["tau"] is None
 
-    paths = save_results(tmp_path, records, summary, {"note": "test"})
+    written = save_results(tmp_path, records, summary, {"note": "test"})
+    assert written.results_written and not written.failed
+    paths = written.paths
     saved = json.loads(paths["json"].read_text())
     assert saved["summary"]["mtbench"]["T=0"]["dart"]["tau"] == rows["dart"]["tau"]
     assert len(saved["records"]) == len(records)

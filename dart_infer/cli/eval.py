@@ -4,9 +4,13 @@
   target is loaded once, in float32 when more than one dtype is timed, and cast (what loading in
   that dtype gives).
 - `ngram_model: auto` takes the default trie (`default_ngram_model`) when it exists and fits the
-  tokenizer, else DART runs without a trie (said once); an explicit path must exist.
+  tokenizer and loads, else DART runs without a trie (said once); an explicit path must exist and load.
 - `action=fit_tree` writes `<out_dir>/fit_tree.yaml` (the best tree, the dtype and machine it was
   measured on, every setting's numbers); `tree=<that file>` (or its directory) evaluates with it.
+- Nothing measured is lost: bad input (out_dir, limit, max_new_tokens, benchmark files) is refused
+  before the model loads; each prompt's records go to `<out_dir>/records.jsonl` as soon as they are
+  measured, and the same command with the same `out_dir` resumes there (`dart_infer.eval_records`);
+  the table is printed before results.json/.md and the plots are written (`dart_infer.results`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,16 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dart_infer.assets import resolve_model
 from dart_infer.cli import hydra_app
-from dart_infer.conversations import Conversation, load_conversations
+from dart_infer.cli.eval_checks import (
+    benchmark_names,
+    check_count,
+    check_eval_inputs,
+    check_out_dir,
+    run_settings,
+)
+from dart_infer.conversations import Conversation, load_conversations, load_prompt_file
+from dart_infer.errors import InputError
+from dart_infer.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +48,20 @@ FIT_HEADER = "# Written by `dart-eval action=fit_tree`"
 
 
 def benchmark_conversations(name: str, limit: int | None) -> list[Conversation]:
-    """`mtbench`, `humaneval`, `sharegpt-heldout`, or a prompt file path."""
-    if name == "sharegpt-heldout":
-        return load_conversations("sharegpt", split="heldout", limit=limit)
+    """`mtbench`, `humaneval`, `sharegpt-heldout`, `hf:<dataset>`, or a prompt file path; one that
+    yields no prompt (an empty file, another schema) is refused here, before any model loads."""
+    name = str(name)
     if name == "sharegpt":
-        raise ValueError("benchmark 'sharegpt' would evaluate on training data; use 'sharegpt-heldout'")
-    return load_conversations(name, limit=limit)
+        raise InputError("benchmarks: 'sharegpt' would evaluate on training data; use 'sharegpt-heldout'")
+    if name == "sharegpt-heldout":
+        conversations = load_conversations("sharegpt", split="heldout", limit=limit)
+    elif name.lower() in ("mtbench", "humaneval") or name.startswith("hf:") or not Path(name).expanduser().exists():
+        conversations = load_conversations(name, limit=limit)  # an unknown name fails here, naming it
+    else:
+        return load_prompt_file(name, limit=limit)
+    if not any(m["role"] == "user" for c in conversations for m in c.messages):
+        raise InputError(f"benchmarks: {name} yields no prompt with a user turn; pick another benchmark")
+    return conversations
 
 
 # ------------------------------------------------------------------------------------- tree files
@@ -101,7 +122,7 @@ def write_fit(out_dir: str | Path, best: dict[str, Any], results: list[dict[str,
     path = out / FIT_FILE
     body = yaml.safe_dump({"tree": best, **meta, "all": results}, sort_keys=False)
     use = "eagle3_tree.<field>=<value> of `tree:`" if meta.get("method") == "eagle3" else f"dart-eval tree={path}"
-    path.write_text(f"{FIT_HEADER}; evaluate with it: {use}\n{body}")
+    atomic_write_bytes(path, f"{FIT_HEADER}; evaluate with it: {use}\n{body}".encode())
     return path
 
 
@@ -121,14 +142,24 @@ def resolve_trie(cfg: DictConfig) -> str | None:
     """The trie file to load (None: no trie), decided before any model loads.
 
     `auto`: `default_ngram_model` when it exists and was built with this model's tokenizer, else
-    None with one message saying so; null/"none": None; a path: it must exist.
+    None with one message saying so; null/"none": None; a path: it must exist and load (a corrupt
+    file is refused here; `ngram_verify` adds the payload checksum to the load's structural check).
     """
+    from ngram_builder import NgramFormatError
+
     value = cfg.ngram_model
+    verify = bool(cfg.get("ngram_verify", False))
     if value is None or str(value).lower() in ("none", "null", ""):
         return None
     if str(value) != "auto":
         if not Path(value).exists():
             raise FileNotFoundError(f"ngram_model={value}: no such trie file or directory")
+        from dart_infer.loading import load_trie
+
+        try:
+            load_trie(value, verify=verify)
+        except NgramFormatError as err:  # names the file and what to do
+            raise InputError(str(err)) from err
         return str(value)
     default = Path(cfg.default_ngram_model)
     if not default.exists():
@@ -143,7 +174,10 @@ def resolve_trie(cfg: DictConfig) -> str | None:
     vocab = AutoConfig.from_pretrained(path).get_text_config(decoder=True).vocab_size
     tokenizer = load_tokenizer(path, cfg.model.get("chat_template"))
     try:
-        check_trie_matches_tokenizer(load_trie(default), tokenizer, int(vocab))
+        check_trie_matches_tokenizer(load_trie(default, verify=verify), tokenizer, int(vocab))
+    except NgramFormatError as err:  # corrupt or unreadable: the message names the file and the fix
+        print(f"ngram_model=auto: {err}; DART runs without a trie", flush=True)
+        return None
     except ValueError as err:
         print(f"ngram_model=auto: the default trie {default} does not fit this model ({err}); "
               "DART runs without a trie", flush=True)
@@ -171,7 +205,8 @@ def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     loaded = DartModel.from_pretrained(
         resolve_model(cfg.model.name_or_path), cfg.draft_model, trie, dtype=load_dtype, tree=tree,
-        ngram_mmap=bool(cfg.ngram_mmap), chat_template=cfg.model.get("chat_template"),
+        ngram_mmap=bool(cfg.ngram_mmap), ngram_verify=bool(cfg.get("ngram_verify", False)),
+        chat_template=cfg.model.get("chat_template"),
     )
     by_dtype = {load_dtype: loaded}
     for dtype in (serving_dtype, *others):
@@ -186,7 +221,7 @@ def load_eagle3(cfg: DictConfig, model: Any) -> Any:
     if "eagle3" not in cfg.methods:
         return None
     if not cfg.get("eagle3_model"):
-        raise ValueError("method 'eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
+        raise InputError("methods: 'eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
     from dart_infer.dtypes import cast_parameters
     from dart_infer.eagle3 import Eagle3Model, load_eagle3_model
 
@@ -225,8 +260,13 @@ def _check_tree_file(cfg: DictConfig) -> None:
 
 
 def run_eval(cfg: DictConfig) -> dict[str, Path]:
-    from dart_infer.evaluate import EvalSettings, Evaluator, dtype_name, save_results, summarize
+    from dart_infer.eval_records import RecordStore
+    from dart_infer.evaluate import EvalSettings, Evaluator, dtype_name
+    from dart_infer.results import ResultsNotWritten, markdown_table, save_results, summarize
 
+    # Everything that can be refused is refused here, before the model loads and nothing is measured.
+    check_eval_inputs(cfg)
+    benchmarks = {name: benchmark_conversations(name, cfg.limit) for name in benchmark_names(cfg)}
     trie = resolve_trie(cfg)
     settings = EvalSettings(
         methods=methods_for(list(cfg.methods), trie), max_new_tokens=cfg.max_new_tokens, multi_turn=cfg.multi_turn,
@@ -235,16 +275,27 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
     )
     _dtypes(cfg)  # bad dtype names fail here, before the model loads
     _check_tree_file(cfg)
-    # Bad benchmark names or files fail here, before the model loads.
-    benchmarks = {name: benchmark_conversations(name, cfg.limit) for name in cfg.benchmarks}
+    store = RecordStore.open(cfg.out_dir, run_settings(cfg, trie, settings))  # other settings: refused
+    units = [unit for name, conversations in benchmarks.items() for unit in settings.units(name, conversations)]
+    done = store.count(units)
+    if done:
+        print(f"resuming: {done} of {len(units)} measurements already in {store.path}", flush=True)
     torch.manual_seed(cfg.seed)
     model, plain_models = load_models(cfg, trie)
     eagle3 = load_eagle3(cfg, model)
     evaluator = Evaluator(model, settings, plain_models, eagle3=eagle3)
-    evaluator.warm_up()
+    store.confirm({"tree": asdict(model.tree), "eagle3_tree": asdict(eagle3.tree) if eagle3 else None,
+                   "device": str(model.target.device)})
+    if done < len(units):
+        evaluator.warm_up()
     records = []
-    for name, conversations in benchmarks.items():
-        records += evaluator.run(name, conversations)
+    try:
+        for name, conversations in benchmarks.items():
+            records += evaluator.run(name, conversations, resume=store.lookup, save=store.append)
+    except BaseException:  # Ctrl-C, out of memory, ...: say what is kept and how to go on
+        print(f"stopped: {store.count(units)} of {len(units)} measurements are saved in {store.path}; the same "
+              f"command with out_dir={cfg.out_dir} measures only the rest", file=sys.stderr, flush=True)
+        raise
     summary = summarize(records, max(model.draft_model.config.draft_length, eagle3.tree.depth if eagle3 else 0))
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -258,18 +309,31 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
         "device": str(model.target.device),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "records_file": str(store.path),
+        "resumed_measurements": done,
     }
-    paths = save_results(cfg.out_dir, records, summary, meta)
-    print((Path(paths["markdown"])).read_text())
+    # The table first, from memory: a file that cannot be written below never takes it away.
+    print(markdown_table(summary) + "\n", flush=True)
+    saved = save_results(cfg.out_dir, records, summary, meta)
+    paths = {"records": store.path, **saved.paths}
     for kind, path in paths.items():
-        print(f"{kind}: {path}")
+        print(f"{kind}: {path}", flush=True)
+    if not saved.results_written:  # a plot is optional; the results files are what the run promised
+        failed = "; ".join(f"{path} ({reason})" for path, reason in saved.results_failed.items())
+        raise ResultsNotWritten(f"could not write {failed}; the table is above and every measurement is in "
+                                f"{store.path}: re-run the same command once {cfg.out_dir} is writable to write "
+                                "the results without measuring again")
     return paths
 
 
 def run_fit_tree(cfg: DictConfig) -> Path:
-    from dart_infer.evaluate import chat_prompt, first_turn, fit_tree
+    from dart_infer.evaluate import chat_prompt, first_turn
+    from dart_infer.tree_fit import fit_tree
 
-    conversations = benchmark_conversations(cfg.benchmarks[0], cfg.fit.prompts)
+    check_count(cfg, "fit.prompts")
+    check_count(cfg, "fit.max_new_tokens")
+    check_out_dir(cfg.out_dir)
+    conversations = benchmark_conversations(benchmark_names(cfg)[0], cfg.fit.prompts)
     eagle3 = str(cfg.fit.get("method", "dart")) == "eagle3"
     trie = None if eagle3 else resolve_trie(cfg)
     model = load_model(cfg, trie)
@@ -294,12 +358,13 @@ def run_fit_tree(cfg: DictConfig) -> Path:
         "speedup_vs_ar": results[0]["speedup_vs_ar"],
         "method": "eagle3" if eagle3 else "dart",
     }
-    path = write_fit(cfg.out_dir, best, results, meta)
+    # The table before the file: a failed write still leaves the measurements on screen.
     print("| " + " | ".join(keys) + " | τ | tokens/s | speedup vs AR |")
     print("|" + "---|" * (len(keys) + 3))
     for r in results:
         print("| " + " | ".join(str(r[k]) for k in keys) + f" | {r['tau']:.2f} | {r['tokens_per_second']:.1f} | {r['speedup_vs_ar']:.2f}× |")
-    print(f"best tree on this machine ({cfg.model.dtype}): {best} ({results[0]['speedup_vs_ar']:.2f}× AR)")
+    print(f"best tree on this machine ({cfg.model.dtype}): {best} ({results[0]['speedup_vs_ar']:.2f}× AR)", flush=True)
+    path = write_fit(cfg.out_dir, best, results, meta)
     if eagle3:
         flags = " ".join(f"eagle3_tree.{k}={v}" for k, v in best.items())
         print(f"wrote {path}; evaluate with it: dart-eval methods=[ar,dart,eagle3] eagle3_model={cfg.eagle3_model} {flags}")
