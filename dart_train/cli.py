@@ -14,9 +14,15 @@ masks (`dart_train.template`, `dart_train.dataset`), draft vocabulary (`dart_tra
 (`dart_train.state_cache_*`) → DeepSpeed training (`dart_train.engine`) with simulated-τ evaluation
 (`dart_train.evaluate`) → an exported head in `<run_dir>/head` that `DartModel.from_pretrained` loads.
 
-Run directory: Hydra's run dir unless `output_dir` is set. A directory that already holds a run
-(checkpoints, metrics or an exported head) is resumed with `resume=true` and otherwise refused:
-nothing is ever overwritten silently. The resolved config is written to `<run_dir>/config.yaml`.
+Run directory: Hydra's run dir unless `output_dir` is set. A directory holds a run when it has
+checkpoints, config.yaml, metrics or an exported head. `resume=false` (default) starts a new run and
+refuses a directory that holds one (nothing is ever overwritten silently); `resume=true` continues the
+run and refuses a directory that holds none (a mistyped path is an error, not a new run from step 0);
+`resume=auto` continues the run if there is one and starts a new one otherwise. Every refusal comes
+before the model loads and leaves the run's files as they were: a resumed run's config is written to
+`<run_dir>/config.yaml` only once its checkpoint has loaded (a new run's at its start). Which checkpoint
+is loaded, and what an unreadable one does: `dart_train.checkpoints`. Ctrl-C / SIGTERM while training
+saves a checkpoint at the end of the optimiser step and exits (`dart_train.engine`, "Interrupts").
 """
 
 from __future__ import annotations
@@ -31,24 +37,50 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dart_infer.cli import hydra_app
+from dart_infer.errors import InputError
 
 log = logging.getLogger(__name__)
 
-# Files whose presence means "a run lives here".
-RUN_MARKERS = ("checkpoints", "metrics.jsonl", "head", "summary.json")
+# Files whose presence means "a run lives here" (config.yaml alone: a run stopped before its first
+# checkpoint, or one that only regenerated its data).
+RUN_MARKERS = ("checkpoints", "config.yaml", "metrics.jsonl", "head", "summary.json")
+RESUME_MODES = ("false", "true", "auto")
 
 
-class RunDirError(RuntimeError):
-    """The output directory cannot be used (exists without resume=true, or is not writable)."""
+class RunDirError(InputError):
+    """The output directory cannot be used: it holds a run and resume=false, holds none and
+    resume=true, or is not writable."""
 
 
-def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
-    """Create/check the run dir; returns True when an existing run is to be resumed."""
+def resume_mode(value: Any) -> str:
+    """The `resume` setting as "false", "true" or "auto" (configs/train.yaml); YAML booleans or those words."""
+    if value is None or isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).strip().lower()
+    if text not in RESUME_MODES:
+        raise InputError(
+            f"resume={value!r} is not a resume mode: use resume=true to continue the run in output_dir, "
+            "resume=false to start a new one, or resume=auto to continue it if it exists and start one otherwise."
+        )
+    return text
+
+
+def prepare_run_dir(run_dir: Path, resume: bool | str) -> bool:
+    """Create/check the run dir for `resume` (true, false or auto); True when an existing run is to be resumed.
+
+    Refusals come before anything is created or loaded: a mistyped output_dir with resume=true must not
+    silently become a new run from step 0, and an existing run is never overwritten."""
+    mode = resume_mode(resume)
     existing = [m for m in RUN_MARKERS if (run_dir / m).exists()]
-    if existing and not resume:
+    if existing and mode == "false":
         raise RunDirError(
             f"run directory {run_dir} already holds a run ({', '.join(existing)}). Pass resume=true to "
             "continue it, or choose another output_dir: dart-train never overwrites a run."
+        )
+    if not existing and mode == "true":
+        raise RunDirError(
+            f"resume=true: {run_dir} holds no run to resume (no checkpoints/, config.yaml or metrics). Check "
+            "output_dir, or use resume=auto to continue a run if it exists and start a new one otherwise."
         )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,6 +90,13 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> bool:
     except OSError as exc:
         raise RunDirError(f"output directory {run_dir} is not writable: {exc}") from exc
     return bool(existing)
+
+
+def _save_config(run_dir: Path, cfg: DictConfig) -> None:
+    """`<run_dir>/config.yaml`: the resolved config a later resume continues with (complete or absent)."""
+    from dart_infer.files import atomic_write_bytes
+
+    atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -253,7 +292,7 @@ def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConf
     dataset = build_dataset(
         conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=_template_kwargs(cfg)
     )
-    trie = load_trie(str(ev.ngram_model)) if ev.ngram_model else None
+    trie = load_trie(str(ev.ngram_model), verify=bool(ev.get("ngram_verify", False))) if ev.ngram_model else None
     return SimulatedTau(
         dataset,
         OnlineStateSource(target, topk=int(cfg.states.topk) if cfg.states.topk else None,
@@ -421,14 +460,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     from dart_infer.conversations import load_conversations
     from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
+    from dart_train.checkpoints import CHECKPOINT_DIR, check_resumable, select_checkpoint
     from dart_train.dataset import build_dataset
-    from dart_train.engine import (
-        DartTrainer,
-        check_resumable,
-        estimate_step_memory,
-        init_distributed,
-        saved_rank_state,
-    )
+    from dart_train.engine import DartTrainer, estimate_step_memory, init_distributed
     from dart_train.vocab import build_vocab_mapping
 
     if cfg.output_dir:
@@ -437,9 +471,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
     else:
         raise RunDirError("set output_dir (no Hydra run directory available)")
-    resuming = prepare_run_dir(run_dir, bool(cfg.resume))
+    # Every refusal of a resume comes before the model loads and before any file of the run changes.
+    resuming = prepare_run_dir(run_dir, cfg.resume)
     saved = run_dir / "config.yaml"
-    if (resuming or cfg.resume) and saved.is_file():  # a run stopped before its first checkpoint too
+    if resuming and saved.is_file():  # a run stopped before its first checkpoint too
         # Under the CLI only what this command line names may change; a Python caller's cfg is
         # taken as a whole. Either way the differences from the saved run are logged.
         explicit = (
@@ -453,11 +488,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     settings = settings_from_config(cfg)  # validate before the expensive loading
     init_distributed()
     rank = int(os.environ.get("RANK", "0"))
-    saved_state = saved_rank_state(run_dir / "checkpoints") if resuming else None
-    if saved_state is not None:  # refuse what the checkpoint cannot continue with before any work
-        check_resumable(saved_state[1], saved_state[0], settings, int(os.environ.get("WORLD_SIZE", "1")))
-    if rank == 0:  # after that check: a refused resume leaves the saved config as it was
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    # The checkpoint to continue (InputError when the run has some and none loads).
+    checkpoint = select_checkpoint(run_dir / CHECKPOINT_DIR) if resuming else None
+    if checkpoint is not None and checkpoint.state is not None:  # what it cannot continue with: refused now
+        check_resumable(checkpoint.state, checkpoint.tag, settings, int(os.environ.get("WORLD_SIZE", "1")))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank has checked the run dir before rank 0 marks it as a run
+    if rank == 0 and not resuming:  # a new run: config.yaml marks the directory as a run from the start
+        _save_config(run_dir, cfg)
 
     target, tokenizer, embedding = _load_target(cfg)
     conversations = load_conversations(str(cfg.data.source), split=cfg.data.split, limit=cfg.data.limit)
@@ -465,6 +503,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if regen.enabled:
         conversations = _regenerate(cfg, target, tokenizer, conversations)
         if regen.get("stop_after"):
+            if rank == 0 and resuming:  # a new run saved it already
+                _save_config(run_dir, cfg)
             print(f"# dart-train: regenerated data in {regenerate_output(cfg)}; stopping "
                   "(preprocess.regenerate.stop_after)",
                   flush=True)
@@ -513,9 +553,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     source = _state_source(cfg, target, dataset, run_dir)
     evaluator = _evaluator(cfg, target, tokenizer, cfg)
     trainer = DartTrainer(head, source, loader, settings, run_dir, evaluator=evaluator)
-    resumed = resuming and trainer.resume()
+    resumed = resuming and trainer.resume(checkpoint.tag if checkpoint is not None else None)
     if resuming and not resumed:
-        log.warning("resume=true but %s holds no checkpoint yet: starting from step 0", run_dir)
+        log.warning("resume: %s holds no checkpoint yet (stopped before its first one): starting from step 0",
+                    run_dir)
+    if resuming and rank == 0:  # only once the checkpoint has loaded: a refused resume leaves it as it was
+        _save_config(run_dir, cfg)
     if not resumed and int(t.get("skip_batches") or 0):  # a resumed loader already sits past them
         loader.skip(int(t.skip_batches))
         log.info("trainer.skip_batches=%d: starting at epoch %d, batch %d", int(t.skip_batches),

@@ -16,6 +16,8 @@ Run directory layout:
   checkpoints/step_00000100/   DeepSpeed checkpoint (model, optimizer, scheduler) + client state
                                (step, data-loader position, anchor sampler and global RNG states)
   checkpoints/latest           tag of the newest checkpoint (DeepSpeed's own pointer)
+  checkpoints/aside-<tag>-<t>/ a checkpoint newer than the one a resume loaded (unreadable, or an
+                               unfinished save), kept for inspection; never loaded or rotated
   best/                        exported head of the evaluation with the highest simulated τ
                                (+ best.json: step, τ); kept outside the keep-last-N rotation
   head/                        the final exported head (`save_pretrained`: config.json +
@@ -29,11 +31,22 @@ only), so the resumed loss curve equals the uninterrupted one (tests/test_train_
 tests/test_multirank.py). Anchors are sampled from a generator seeded by the micro-batch's global
 position (step, micro-batch, rank), so 2 ranks x 1 micro-batch sample what 1 rank x 2 does.
 
-Resume under changes (`resume()`): the optimiser / schedule settings of `_APPLIED_ON_RESUME` may
-differ from the checkpoint's and are applied to the restored optimiser and LambdaLR (logged); the
-others (ZeRO stage, bf16, seed, grad_accum, world size) are refused with a `ResumeError` that says
-which value to pass. `metrics.jsonl` continues from the checkpoint's step: lines logged after it
-are moved to `metrics.dropped-<step>-<time>.jsonl` (logged), never lost silently.
+Which checkpoint `resume()` loads (`dart_train.checkpoints.select_checkpoint`): the one `latest`
+names, or, when its files are unreadable (truncated, corrupt, missing) or `latest` is stale, the
+newest intact older one, with a warning naming both and the bad file; none intact: `InputError`.
+Nothing of the run is changed until the checkpoint has loaded.
+
+Resume under changes (`resume()`): the optimiser / schedule settings (`_APPLIED_ON_RESUME` in
+`dart_train.checkpoints`) may differ from the checkpoint's and are applied to the restored optimiser
+and LambdaLR (logged); the others (ZeRO stage, bf16, seed, grad_accum, world size) are refused with
+a `ResumeError` (an `InputError`) that says which value to pass. `metrics.jsonl` continues from the
+checkpoint's step: lines logged after it are moved to `metrics.dropped-<step>-<time>.jsonl` (logged),
+never lost silently.
+
+Interrupts: SIGINT (Ctrl-C) or SIGTERM during `train()` stops at the end of the current optimiser step
+(all ranks at the same one), saves a checkpoint when a step was taken since the last one, logs where and
+the command that continues the run, and raises KeyboardInterrupt (the console script exits 130). A
+second signal stops at once, without a checkpoint.
 """
 
 from __future__ import annotations
@@ -43,8 +56,6 @@ import json
 import logging
 import math
 import os
-import random
-import shutil
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -52,17 +63,35 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from dart_infer.files import atomic_path, atomic_write_bytes
+from dart_infer.errors import InputError
+from dart_infer.files import atomic_path
+from dart_train.checkpoints import (
+    CHECKPOINT_DIR,
+    RANK_STATE,
+    ResumeError,
+    StopOnSignal,
+    all_ranks_agree,
+    check_resumable,
+    commit_resume,
+    latest_tag,
+    rng_state,
+    rotate,
+    select_checkpoint,
+    set_rng_state,
+    truncate_metrics,
+)
 from dart_train.dist import rank_and_world_size
 from dart_train.objective import ObjectiveOutput, annealed_kl_loss, build_layout, draft_forward
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
+# Re-exported: the settings check and its error belong to the checkpoints but are the engine's API.
+__all__ = ["CHECKPOINT_DIR", "RANK_STATE", "DartTrainer", "ResumeError", "TrainSettings", "check_resumable",
+           "cosine_with_warmup", "estimate_step_memory", "init_distributed"]
+
 BEST_DIR = "best"
 HEAD_DIR = "head"
 METRICS_FILE = "metrics.jsonl"
@@ -230,96 +259,6 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class ResumeError(RuntimeError):
-    """A checkpoint cannot be continued with these settings (the message says how to resume it)."""
-
-
-# Settings a resumed run may change: the optimiser's hyper-parameters and the LR schedule are applied
-# to the restored optimiser/scheduler; the rest is read afresh every step.
-_APPLIED_ON_RESUME = frozenset({
-    "lr", "betas", "eps", "weight_decay", "warmup_ratio", "warmup_steps", "min_lr_ratio", "max_steps",
-    "epochs", "grad_clip", "gamma", "autocast_dtype", "max_anchors", "attention", "log_every", "eval_every",
-    "save_every", "keep_last", "progress",
-})
-# The config keys of the settings (`dart_train.cli.settings_from_config`), for messages.
-_CONFIG_KEYS = {
-    "lr": "optim.lr", "betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay",
-    "warmup_ratio": "optim.warmup_ratio", "warmup_steps": "optim.warmup_steps",
-    "min_lr_ratio": "optim.min_lr_ratio", "grad_clip": "optim.grad_clip", "gamma": "optim.gamma",
-    "epochs": "optim.epochs", "max_steps": "trainer.max_steps", "grad_accum": "trainer.grad_accum",
-    "zero_stage": "trainer.zero_stage", "bf16": "trainer.bf16", "autocast_dtype": "trainer.autocast",
-    "max_anchors": "trainer.max_anchors", "attention": "trainer.attention", "seed": "seed",
-    "log_every": "logging.log_every", "eval_every": "train_eval.every", "save_every": "trainer.save_every",
-    "keep_last": "trainer.keep_last", "progress": "logging.progress",
-}
-_WHY_REFUSED = {
-    "zero_stage": "DeepSpeed stores the optimiser state per ZeRO stage",
-    "bf16": "the optimiser's master weights are stored differently with bf16",
-    "seed": "the data order of the rest of the run depends on it",
-    "grad_accum": "it changes the global batch the data position and schedule were counted in",
-    "extra_ds_config": "it may change how DeepSpeed stores the checkpoint",
-}
-RANK_STATE = "rank_state_{rank:05d}.pt"
-
-
-def check_resumable(saved: Mapping[str, Any], tag: str, settings: TrainSettings, world: int) -> list[str]:
-    """Refuse (`ResumeError`) what checkpoint `tag` (a saved rank state) cannot continue with under
-    `settings` and `world` ranks; returns the changes that will be applied, as text."""
-    saved_world = int(saved.get("world_size", 1))
-    if saved_world != world:
-        raise ResumeError(
-            f"checkpoint {tag} was written by {saved_world} rank(s), this run has {world}: each rank "
-            f"resumes its own data position and RNGs. Launch {saved_world} rank(s) to resume it, or start "
-            f"a new run from its exported head (draft.init_from=<run>/head)."
-        )
-    old = dict(saved.get("settings") or {})
-    if "betas" in old:
-        old["betas"] = tuple(float(b) for b in old["betas"])
-    changes, refused = [], []
-    for key, value in asdict(settings).items():
-        if key not in old or old[key] == value:
-            continue
-        name = _CONFIG_KEYS.get(key, key)
-        if key in _APPLIED_ON_RESUME:
-            changes.append(f"{name}: {old[key]!r} -> {value!r}")
-        else:
-            why = _WHY_REFUSED.get(key, "it is not applied to a restored run")
-            refused.append(f"{name}: the checkpoint has {old[key]!r}, this run {value!r} ({why}); "
-                           f"resume with {name}={old[key]!r}")
-    if refused:
-        raise ResumeError(
-            f"cannot resume checkpoint {tag} with changed settings:\n  " + "\n  ".join(refused)
-            + "\nor start a new run from its exported head (draft.init_from=<run>/head)."
-        )
-    return changes
-
-
-def saved_rank_state(checkpoint_dir: str | os.PathLike[str]) -> tuple[str, dict[str, Any]] | None:
-    """(tag, rank 0's saved state) of the newest checkpoint in `checkpoint_dir`, or None (none, or
-    written before per-rank states)."""
-    pointer = Path(checkpoint_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    path = Path(checkpoint_dir) / tag / RANK_STATE.format(rank=0)
-    return (tag, torch.load(path, weights_only=False)) if path.is_file() else None
-
-
 def _anchor_seed(seed: int, global_micro: int) -> int:
     """Seed of the anchor sample of one micro-batch, from its position in the global batch order."""
     return (seed * 1_000_003 + 7919 * global_micro + 1) % (2**63 - 1)
@@ -433,6 +372,7 @@ class DartTrainer:
             config=self.ds_config,
         )
         self.step = 0  # optimiser steps done
+        self.saved_step = 0  # the step of the newest checkpoint written or resumed (0: none)
         self._micro_in_step = 0  # micro-batches of the current step done (anchor seeding)
         self.best: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
@@ -493,17 +433,38 @@ class DartTrainer:
         return out, int(states["loss_mask"].sum())
 
     def train(self) -> dict[str, Any]:
-        """Train to the end (resuming from the last checkpoint is `resume()` before this)."""
+        """Train to the end (resuming from the last checkpoint is `resume()` before this).
+
+        SIGINT (Ctrl-C) / SIGTERM stop the run at the end of the current optimiser step, with a
+        checkpoint when a step was taken since the last one (`StopOnSignal`), then raise
+        KeyboardInterrupt; a second signal raises it at once, without a checkpoint."""
         from tqdm.auto import tqdm
 
+        quiet = not self.settings.progress or rank_and_world_size()[0] != 0
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=quiet, desc="dart-train", dynamic_ncols=True)
+        started = time.perf_counter()
+        with StopOnSignal() as stop:
+            self._train_loop(bar, stop)
+        bar.close()
+        self.export(self.run_dir / HEAD_DIR)
+        summary = {
+            "steps": self.step,
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "seconds": time.perf_counter() - started,
+            "best": self.best,
+            "head": str(self.run_dir / HEAD_DIR),
+            "timings": dict(self.timings),
+            # The device's high-water mark of this process (target, head, optimiser, activations).
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+        }
+        if rank_and_world_size()[0] == 0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _train_loop(self, bar: Any, stop: StopOnSignal) -> None:
         s = self.settings
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not s.progress or rank_and_world_size()[0] != 0,
-            desc="dart-train", dynamic_ncols=True,
-        )
         window = _Window(self.draft_model.config.draft_length)
         micro = 0
-        started = time.perf_counter()
         empty_passes = 0
         while self.step < self.total_steps:
             progressed = False
@@ -530,8 +491,10 @@ class DartTrainer:
                     self._update_best(self._evaluate())
                 if last or (s.save_every and self.step % s.save_every == 0):
                     self.save_checkpoint()
-                if last:
-                    break
+                if last:  # the run is complete: finishing it is the quickest way out, signal or not
+                    return
+                if all_ranks_agree(stop.signal_name is not None):
+                    self._stop_interrupted(stop.signal_name or "a signal on another rank")
             # A resumed loader may sit at the very end of an epoch: one empty pass is normal.
             empty_passes += not progressed
             if empty_passes > 1:
@@ -540,21 +503,19 @@ class DartTrainer:
                     "fewer batches than ranks (every rank takes every world_size-th batch): use smaller batches "
                     "(trainer.max_tokens / batch_size / pack_length) or fewer ranks"
                 )
-        bar.close()
-        self.export(self.run_dir / HEAD_DIR)
-        summary = {
-            "steps": self.step,
-            "final_loss": self.history[-1]["loss"] if self.history else None,
-            "seconds": time.perf_counter() - started,
-            "best": self.best,
-            "head": str(self.run_dir / HEAD_DIR),
-            "timings": dict(self.timings),
-            # The device's high-water mark of this process (target, head, optimiser, activations).
-            "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
-        }
+
+    def _stop_interrupted(self, why: str) -> None:
+        """At an optimiser-step boundary after SIGINT/SIGTERM: checkpoint the steps not saved yet (this
+        boundary is exactly resumable), say how to continue, raise KeyboardInterrupt (exit 130)."""
+        resume = f"dart-train output_dir={self.run_dir} resume=true"
+        if self.step > self.saved_step:
+            tag = self.save_checkpoint()
+            where = f"checkpoint saved to {self.checkpoint_dir / tag}"
+        else:
+            where = f"nothing to save, the checkpoint of step {self.saved_step} holds every step"
         if rank_and_world_size()[0] == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
+            log.warning("interrupted by %s at step %d: %s; continue with: %s", why, self.step, where, resume)
+        raise KeyboardInterrupt(f"interrupted by {why} at step {self.step}")
 
     def _evaluate(self) -> float | None:
         model = self.draft_model
@@ -594,7 +555,7 @@ class DartTrainer:
         rank, world = rank_and_world_size()
         return {
             "rank": rank, "world_size": world, "dart_step": self.step, "loader": self.loader.state_dict(),
-            "rng": _rng_state(), "settings": asdict(self.settings),
+            "rng": rng_state(), "settings": asdict(self.settings),
         }
 
     def save_checkpoint(self) -> str:
@@ -609,19 +570,13 @@ class DartTrainer:
             torch.save(rank_state, tmp)
         client_state = {**rank_state, "best": self.best}
         self.engine.save_checkpoint(str(self.checkpoint_dir), tag=tag, client_state=client_state)
-        self._rotate()
+        self.saved_step = self.step
+        if rank_and_world_size()[0] == 0:
+            rotate(self.checkpoint_dir, self.settings.keep_last)
         return tag
 
-    def _rotate(self) -> None:
-        if rank_and_world_size()[0] != 0:
-            return
-        tags = sorted(p.name for p in self.checkpoint_dir.glob("step_*") if p.is_dir())
-        for old in tags[: -self.settings.keep_last]:
-            shutil.rmtree(self.checkpoint_dir / old, ignore_errors=True)
-
     def latest_tag(self) -> str | None:
-        pointer = self.checkpoint_dir / "latest"
-        return pointer.read_text().strip() if pointer.is_file() else None
+        return latest_tag(self.checkpoint_dir)
 
     def _check_resumable(self, saved: Mapping[str, Any], tag: str) -> list[str]:
         return check_resumable(saved, tag, self.settings, rank_and_world_size()[1])
@@ -644,58 +599,52 @@ class DartTrainer:
         scheduler._last_lr = lrs
 
     def resume(self, tag: str | None = None) -> bool:
-        """Load the newest (or the given) checkpoint; False when there is none.
+        """Load the given checkpoint, or the newest intact one (`dart_train.checkpoints`); False when the
+        run has none yet (it starts again from step 0).
 
-        Raises `ResumeError` for settings the checkpoint cannot continue with (module doc)."""
-        tag = tag or self.latest_tag()
+        Raises `ResumeError` for settings the checkpoint cannot continue with (module doc), `InputError`
+        when no checkpoint can be loaded; either way before anything of the run is changed."""
         rank, _ = rank_and_world_size()
-        if tag is None:  # killed before its first checkpoint: it starts again from step 0
+        chosen = select_checkpoint(self.checkpoint_dir, tag)
+        if chosen is None:  # killed before its first checkpoint: it starts again from step 0
             if rank == 0:
-                self._truncate_metrics(0)
+                commit_resume(self.checkpoint_dir, None)
+                truncate_metrics(self.run_dir / METRICS_FILE, 0)
             return False
-        tag_dir = self.checkpoint_dir / tag
-        first = tag_dir / RANK_STATE.format(rank=0)
         own: dict[str, Any] | None = None
-        if first.is_file():  # every rank checks rank 0's record, so all refuse (or go on) together
-            changes = self._check_resumable(torch.load(first, weights_only=False), tag)
-            own = torch.load(tag_dir / RANK_STATE.format(rank=rank), weights_only=False)
-        path, client = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=tag)
+        if chosen.state is not None:  # every rank checks rank 0's record, so all refuse (or go on) together
+            changes = self._check_resumable(chosen.state, chosen.tag)
+            own = chosen.state if rank == 0 else torch.load(
+                chosen.path / RANK_STATE.format(rank=rank), weights_only=False)
+        try:
+            path, client = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=chosen.tag)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # its files passed the cheap check: one is corrupt inside (or unreadable)
+            why = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            raise InputError(
+                f"checkpoint {chosen.path} could not be loaded ({why}): a file of it may be damaged. Move "
+                f"{chosen.path} out of {self.checkpoint_dir} to resume from the checkpoint before it, or start "
+                "a new run in another output_dir."
+            ) from exc
         if path is None or client is None:
-            raise RuntimeError(f"could not load checkpoint {tag!r} from {self.checkpoint_dir}")
+            raise InputError(f"DeepSpeed could not load checkpoint {chosen.path}: move it out of "
+                             f"{self.checkpoint_dir} to resume from the one before it, or use another output_dir.")
         if own is None:  # written before per-rank files: rank 0's state from DeepSpeed's client state
-            changes = self._check_resumable(client, tag)
+            changes = self._check_resumable(client, chosen.tag)
             own = client
-        self.step = int(own["dart_step"])
+        self.step = self.saved_step = int(own["dart_step"])
         self.loader.load_state_dict(own["loader"])
-        _set_rng_state(own["rng"])
+        set_rng_state(own["rng"])
         self.best = client.get("best")
         self._apply_optimizer_settings()
         for change in changes:
             log.warning("resume: %s (applied to the restored optimiser/schedule)", change)
-        if rank == 0:
-            self._truncate_metrics(self.step)
-        log.info("resumed from %s at step %d", tag, self.step)
+        if rank == 0:  # only now, after everything loaded: a refused resume changes no file of the run
+            commit_resume(self.checkpoint_dir, chosen.tag)
+            truncate_metrics(self.run_dir / METRICS_FILE, self.step)
+        log.info("resumed from %s at step %d", chosen.tag, self.step)
         return True
-
-    def _truncate_metrics(self, step: int) -> None:
-        """metrics.jsonl continues from `step`: lines logged after it (a killed run's steps past its last
-        checkpoint) move to metrics.dropped-<step>-<time>.jsonl, so the file has no duplicate steps."""
-        path = self.run_dir / METRICS_FILE
-        if not path.is_file():
-            return
-        kept, dropped = [], []
-        for line in path.read_text().splitlines(keepends=True):
-            try:
-                logged = int(json.loads(line).get("step", 0))
-            except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
-                logged = step + 1  # a line cut by the kill
-            (kept if logged <= step else dropped).append(line)
-        if not dropped:
-            return
-        backup = self.run_dir / f"metrics.dropped-{step:08d}-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
-        atomic_write_bytes(backup, "".join(dropped).encode())
-        atomic_write_bytes(path, "".join(kept).encode())
-        log.warning("resume: %d line(s) of %s logged after step %d moved to %s", len(dropped), path, step, backup)
 
     def export(self, out_dir: str | os.PathLike[str]) -> Path:
         """Write the head in HF format (config.json + model.safetensors, authors' key names)."""

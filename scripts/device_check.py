@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"trainer.max_anchors={size['anchors']}", "trainer.save_every=null", f"preprocess.max_length={size['max_length']}",
         "optim.lr=1e-3", "optim.warmup_steps=20", "train_eval=off", "logging.wandb.enabled=false",
         "logging.progress=false", "logging.log_every=10", f"output_dir={train_dir}", f"output_root={work / 'artifacts'}",
-        "resume=true",  # a rerun on the same machine continues the run instead of refusing it
+        "resume=auto",  # a rerun on the same machine continues the run instead of refusing it
     ], out, work)
     summary = json.loads((train_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]

@@ -24,8 +24,8 @@ from dart_infer.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, InputError, repo
 
 COMMANDS = ("train", "ngram", "eval", "demo", "app")
 # Group choices whose options add keys of their own: swept as well as the defaults.
-VARIANTS = {"train": [[], ["draft=eagle3"], ["trainer=zero2"], ["states=offline"], ["model=custom",
-            "model.name_or_path=x/y"]], "eval": [[], ["tree=gpu"]]}
+VARIANTS = {"train": [[], ["draft=eagle3"], ["trainer=zero2"], ["states=offline"], ["train_eval=off"],
+                      ["model=custom", "model.name_or_path=x/y"]], "eval": [[], ["tree=gpu"]]}
 
 
 @pytest.fixture(autouse=True)

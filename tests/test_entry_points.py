@@ -56,6 +56,7 @@ def test_demo_evaluates_dart_in_its_serving_dtype_against_baselines_in_every_dty
         with open_dict(cfg):
             cfg.serve_dtype = "bf16"
             cfg.eval_overrides = [*cfg.eval_overrides, f"tree={fit}"]
+        (tmp_path / "head").mkdir()  # the stage's config is checked: its head must exist
         ev = eval_config(cfg, tmp_path / "head", tmp_path / "full.ngt")
     assert ev.model.dtype == "bfloat16" and list(ev.baseline_dtypes) == ["float32", "bfloat16"]
     assert ev.draft_model == str(tmp_path / "head") and ev.out_dir == str(tmp_path / "eval")

@@ -169,8 +169,8 @@ def test_two_rank_regeneration_writes_every_row_once(tiny, tmp_path) -> None:
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == sorted(c["id"] for c in CONVERSATIONS)  # each exactly once
     assert not list(tmp_path.glob("regen.jsonl.part-*"))
-    # Run again: everything is done, nothing is appended.
+    # Run again (resume=auto: the directory holds that run now): everything is done, nothing is appended.
     before = out.read_text()
-    again = launch(args, tmp_path, 2)
+    again = launch([*args, "resume=auto"], tmp_path, 2)
     assert again.returncode == 0, again.stderr[-4000:]
     assert out.read_text() == before

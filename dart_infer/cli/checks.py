@@ -25,7 +25,9 @@ from dart_infer.errors import InputError
 NULLABLE: dict[str, type] = {
     "model.chat_template": str, "output_dir": str, "data.limit": int, "draft.init_from": str,
     "draft.vocab_max_sequences": int, "preprocess.regenerate.output": str, "preprocess.regenerate.max_turns": int,
-    "states.autocast_dtype": str, "trainer.max_steps": int, "trainer.batch_size": int, "trainer.max_anchors": int,
+    "states.autocast_dtype": str, "states.topk": int, "trainer.max_steps": int, "trainer.batch_size": int,
+    "trainer.max_anchors": int, "trainer.max_tokens": int, "trainer.pack_length": int, "trainer.save_every": int,
+    "train_eval.every": int,
     "optim.warmup_steps": int, "logging.wandb.mode": str, "logging.wandb.name": str,
     "train_eval.ngram_model": str, "train_eval.limit": int, "input": str, "output": str, "vocab_size": int,
     "fingerprint": str, "context_text": str, "tree_file": str, "draft_model": str, "eagle3_model": str,
