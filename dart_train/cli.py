@@ -307,6 +307,21 @@ def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConf
     )
 
 
+def evaluate_other_head(evaluator: Any, name: str, trained: Any) -> dict[str, Any]:
+    """`train_eval.compare_head`: another head (e.g. the shipped one) through the same held-out
+    evaluation as the head just trained, in its dtype and on its device, so the two τ compare."""
+    from dart_infer.loading import load_draft_model
+
+    weight = trained.fc.weight
+    other = load_draft_model(name, dtype=weight.dtype).to(weight.device).eval()
+    other.set_target_embedding(trained.embed_tokens.weight)  # the embedding it is served with
+    with torch.no_grad():
+        result = dict(evaluator(other))
+    log.info("train_eval.compare_head=%s: held-out τ %.3f (the trained head's is in metrics.jsonl)", name,
+             result["tau"])
+    return {"head": name, **result}
+
+
 def _regenerate(cfg: DictConfig, target: Any, tokenizer: Any, conversations: list[Any]) -> list[Any]:
     """Self-distillation: the target answers every prompt (resumable JSONL), then train on that.
     Conversations come back in the input's order, whatever order (or ranks) wrote them."""
@@ -567,6 +582,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     wandb_run = _wandb(cfg, run_dir, trainer.step) if rank == 0 else None
     trainer.wandb_run = wandb_run
     summary = trainer.train()
+    if evaluator is not None and cfg.train_eval.get("compare_head") and rank == 0:
+        summary["compare"] = evaluate_other_head(evaluator, str(cfg.train_eval.compare_head), trainer.draft_model)
     if wandb_run is not None:
         wandb_run.finish()
     print(f"# dart-train done: {summary['steps']} steps, head at {summary['head']}", flush=True)

@@ -517,7 +517,7 @@ class DartTrainer:
             log.warning("interrupted by %s at step %d: %s; continue with: %s", why, self.step, where, resume)
         raise KeyboardInterrupt(f"interrupted by {why} at step {self.step}")
 
-    def _evaluate(self) -> float | None:
+    def _evaluate(self) -> dict[str, Any]:
         model = self.draft_model
         model.eval()
         with torch.no_grad(), self._gathered(model):
@@ -526,8 +526,7 @@ class DartTrainer:
         result = {f"eval/{k}": v for k, v in result.items()}
         result["step"] = self.step
         self._log(result)
-        tau = result.get("eval/tau")
-        return float(tau) if tau is not None else None
+        return result
 
     def _log(self, metrics: Mapping[str, Any]) -> None:
         if rank_and_world_size()[0] != 0:
@@ -542,11 +541,15 @@ class DartTrainer:
     def checkpoint_dir(self) -> Path:
         return self.run_dir / CHECKPOINT_DIR
 
-    def _update_best(self, tau: float | None) -> None:
-        """Export the head to `best/` when this evaluation's simulated τ is the highest so far."""
+    def _update_best(self, result: Mapping[str, Any]) -> None:
+        """Export the head to `best/` when this evaluation's simulated τ (the paper's search) is the
+        highest so far; the served-tree τ is kept beside it, labelled (`dart_train.evaluate`)."""
+        tau = result.get("eval/tau")
         if tau is None or (self.best is not None and tau <= self.best["tau"]):
             return
-        self.best = {"tau": tau, "step": self.step}
+        self.best = {"tau": float(tau), "step": self.step}
+        if result.get("eval/tau_served") is not None:
+            self.best["tau_served"] = float(result["eval/tau_served"])
         self.export(self.run_dir / BEST_DIR)
         if rank_and_world_size()[0] == 0:
             (self.run_dir / BEST_DIR / "best.json").write_text(json.dumps(self.best, indent=2))

@@ -20,12 +20,18 @@ trie and the history ending in the root). The acceptance of that tree is then co
 
 τ is the mean over anchors, i.e. over uniformly sampled decoding states; real decoding visits
 positions in steps of its acceptance lengths, which weighs positions slightly differently.
-`tau` (the value that picks the best checkpoint) is `tau_data` or `tau_target` by `reference`.
+`tau` (the value that picks the best checkpoint) is `tau_data` or `tau_target` by `reference`,
+always with **the paper's search** (draft + trie): the head's own τ. When the configured tree adds
+context n-grams or copy spans (the CPU serving tree), `tau_served` is the same estimate with them,
+labelled apart: on held-out text that repeats itself (teacher-forced human answers, looping target
+answers) copy spans accept long runs whatever the head, so that number says more about the text
+than the head and must not stand in for the head's τ.
 The evaluator also reports held-out α_1..α_d and the loss.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,7 +41,7 @@ from torch import nn
 from dart_train.batching import collate
 from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
 
-__all__ = ["SimulatedTau", "accepted_length"]
+__all__ = ["SimulatedTau", "accepted_length", "decoding_walk_tau"]
 
 
 def _accepted_target(
@@ -108,7 +114,9 @@ class SimulatedTau:
             eos_token_ids = () if eos_token_id is None else (eos_token_id,)
         self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
         self.trie = trie
-        self.tree = TreeSearchSettings.coerce(tree)
+        self.tree = TreeSearchSettings.coerce(tree)  # as configured: what serving uses
+        # The headline: the paper's search (draft + trie), without the serving extras.
+        self.paper_tree = dataclasses.replace(self.tree, context_ngram_weight=0.0, copy_span_tokens=0)
         # An EAGLE-3 head's dynamic tree (settings or field overrides of the CPU default).
         self.eagle3_tree = (
             eagle3_tree if isinstance(eagle3_tree, Eagle3TreeSettings) else CPU_EAGLE3_TREE.with_overrides(eagle3_tree)
@@ -133,14 +141,24 @@ class SimulatedTau:
 
     @torch.no_grad()
     def anchor_results(self, draft_model: nn.Module) -> tuple[list[tuple[int, int, int, int]], dict[str, Any]]:
-        """Per anchor (dataset index, t, accepted along data, accepted along target) + held-out metrics."""
+        """Per anchor (dataset index, t, accepted along data, accepted along target) with the configured
+        tree + held-out metrics."""
+        by_tree, metrics = self._anchor_results(draft_model, [self.tree])
+        return by_tree[0], metrics
+
+    @torch.no_grad()
+    def _anchor_results(
+        self, draft_model: nn.Module, settings: Sequence[Any]
+    ) -> tuple[list[list[tuple[int, int, int, int]]], dict[str, Any]]:
+        """`anchor_results` for several tree settings from one draft forward (an EAGLE-3 head: its own
+        tree, the same for every entry)."""
         from dart_infer.eagle3 import Eagle3DraftModel, anchor_trees
         from dart_infer.tree import draft_trees
 
         d = draft_model.config.draft_length
         generator = torch.Generator().manual_seed(self.seed)  # same anchors at every evaluation
         device = draft_model.fc.weight.device
-        results: list[tuple[int, int, int, int]] = []
+        by_tree: list[list[tuple[int, int, int, int]]] = [[] for _ in settings]
         correct = torch.zeros(d)
         rows = torch.zeros(d)
         loss_sum, loss_batches = 0.0, 0
@@ -176,44 +194,82 @@ class SimulatedTau:
                         draft_model, batch["aux_hidden"][b : b + 1].to(device), input_ids[b : b + 1].to(device),
                         [t for row, t in anchors if row == b], self.eagle3_tree,
                     )
+                trees_per_setting = [trees] * len(settings)
             else:
-                trees = draft_trees(
-                    logits[seq_index.to(logits.device), slot.to(logits.device)], draft_model,
-                    [input_ids[b, : t + 2] for b, t in anchors], trie=self.trie, settings=self.tree,
-                    eos_token_ids=self.eos_token_ids,
-                )
-            for (b, t), tree in zip(anchors, trees, strict=True):
-                seq = input_ids[b, : lengths[b]]
-                depth = max(d, int(tree.positions.max()))  # copy spans can reach past the d levels
-                data_next = seq[t + 2 : t + 2 + depth].tolist()
-                target_next = target_argmax[b, t + 1 : min(t + 1 + depth, lengths[b])].tolist()
-                results.append((
-                    int(batch["indices"][b]),
-                    t,
-                    accepted_length(tree.tokens, tree.retrieve_indices, data_next),
-                    _accepted_target(tree.tokens, tree.retrieve_indices, target_next, data_next),
-                ))
+                anchor_logits = logits[seq_index.to(logits.device), slot.to(logits.device)]
+                histories = [input_ids[b, : t + 2] for b, t in anchors]
+                trees_per_setting = [
+                    draft_trees(anchor_logits, draft_model, histories, trie=self.trie, settings=tree_settings,
+                                eos_token_ids=self.eos_token_ids)
+                    for tree_settings in settings
+                ]
+            for results, trees in zip(by_tree, trees_per_setting, strict=True):
+                for (b, t), tree in zip(anchors, trees, strict=True):
+                    seq = input_ids[b, : lengths[b]]
+                    depth = max(d, int(tree.positions.max()))  # copy spans can reach past the d levels
+                    data_next = seq[t + 2 : t + 2 + depth].tolist()
+                    target_next = target_argmax[b, t + 1 : min(t + 1 + depth, lengths[b])].tolist()
+                    results.append((
+                        int(batch["indices"][b]),
+                        t,
+                        accepted_length(tree.tokens, tree.retrieve_indices, data_next),
+                        _accepted_target(tree.tokens, tree.retrieve_indices, target_next, data_next),
+                    ))
         metrics: dict[str, Any] = {"loss": loss_sum / max(loss_batches, 1)}
         denom = rows.clamp(min=1)
         for j in range(d):
             metrics[f"alpha_{j + 1}"] = float(correct[j] / denom[j])
-        return results, metrics
+        return by_tree, metrics
 
     def __call__(self, draft_model: nn.Module) -> dict[str, float]:
-        results, metrics = self.anchor_results(draft_model)
-        accepted_data = [r[2] for r in results]
-        accepted_target = [r[3] for r in results]
-        if not accepted_data:
+        """`tau` (+ `tau_data`, `tau_target`) with the paper's search; `tau_served` with the configured
+        tree's context n-grams and copy spans when it has them (module doc)."""
+        from dart_infer.eagle3 import Eagle3DraftModel
+
+        extras = self.paper_tree != self.tree and not isinstance(draft_model, Eagle3DraftModel)
+        by_tree, metrics = self._anchor_results(draft_model, [self.paper_tree, self.tree] if extras else [self.tree])
+        if not by_tree[0]:
             raise ValueError("no evaluation anchor: the held-out sequences have no assistant tokens to draft")
-        n = len(accepted_data)
-        result = {
-            "tau_data": 1.0 + sum(accepted_data) / n,
-            "tau_target": 1.0 + sum(accepted_target) / n,
-            "anchors": float(n),
-            **metrics,
-        }
-        result["tau"] = result["tau_data"] if self.reference == "data" else result["tau_target"]
+        result = {**self._taus(by_tree[0]), "anchors": float(len(by_tree[0])), **metrics}
+        if extras:
+            served = self._taus(by_tree[1])
+            result["tau_served"] = served["tau"]
+            if "tau_walk" in served:
+                result["tau_served_walk"] = served["tau_walk"]
         return result
+
+    def _taus(self, results: Sequence[tuple[int, int, int, int]]) -> dict[str, float]:
+        n = len(results)
+        taus = {"tau_data": 1.0 + sum(r[2] for r in results) / n, "tau_target": 1.0 + sum(r[3] for r in results) / n}
+        taus["tau"] = taus["tau_data"] if self.reference == "data" else taus["tau_target"]
+        walk = decoding_walk_tau(results, 2 if self.reference == "data" else 3)
+        if walk is not None:
+            taus["tau_walk"] = walk
+        return taus
+
+
+def decoding_walk_tau(results: Sequence[tuple[int, ...]], field: int = 2) -> float | None:
+    """τ as greedy decoding would measure it: from each sequence's first anchor, step to the state
+    after the accepted tokens and the bonus one (t + accepted + 1), as `dart_generate` does; tokens
+    per step over every walk. None unless the anchors cover every state a walk visits (an evaluation
+    with `anchors_per_sequence` at least the answers' length).
+
+    Why not the mean over states (`tau`): decoding skips the states inside an accepted run, and
+    acceptance is correlated along the text (a repeated span is accepted from each of its
+    positions), so the plain mean over-weights long runs; on greedy data this walk is exact."""
+    accepted: dict[int, dict[int, int]] = {}
+    for row in results:
+        accepted.setdefault(row[0], {})[row[1]] = row[field]
+    tokens = steps = 0
+    for states in accepted.values():
+        t, last = min(states), max(states)
+        while t <= last:
+            if t not in states:
+                return None  # a state the walk needs was not evaluated
+            tokens += states[t] + 1
+            steps += 1
+            t += states[t] + 1
+    return tokens / steps if steps else None
 
     def as_dict(self) -> Mapping[str, Any]:
         return {"reference": self.reference, "anchors_per_sequence": self.anchors_per_sequence}

@@ -27,7 +27,7 @@ NULLABLE: dict[str, type] = {
     "draft.vocab_max_sequences": int, "preprocess.regenerate.output": str, "preprocess.regenerate.max_turns": int,
     "states.autocast_dtype": str, "states.topk": int, "trainer.max_steps": int, "trainer.batch_size": int,
     "trainer.max_anchors": int, "trainer.max_tokens": int, "trainer.pack_length": int, "trainer.save_every": int,
-    "train_eval.every": int,
+    "train_eval.every": int, "train_eval.compare_head": str,
     "optim.warmup_steps": int, "logging.wandb.mode": str, "logging.wandb.name": str,
     "train_eval.ngram_model": str, "train_eval.limit": int, "input": str, "output": str, "vocab_size": int,
     "fingerprint": str, "context_text": str, "tree_file": str, "draft_model": str, "eagle3_model": str,
@@ -50,7 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {"model.dtype": DTYPE_NAMES, "serve_dtype"
 # Switches that also take a word: `resume=auto`.
 BOOL_OR: dict[str, tuple[str, ...]] = {"resume": ("auto",)}
 # Keys naming a model or a head: an embedded name, a local directory or a Hub id.
-MODEL_KEYS = ("model.name_or_path", "draft_model", "eagle3_model", "draft.init_from")
+MODEL_KEYS = ("model.name_or_path", "draft_model", "eagle3_model", "draft.init_from", "train_eval.compare_head")
 
 
 MISSING = "???"
