@@ -1,6 +1,6 @@
-"""DeepSpeed training of a DART head: engine, schedule, checkpoints with exact resume, export, logging.
+"""DeepSpeed training of a DART head: the training loop, checkpoints with exact resume, export, logging.
 
-- `TrainSettings`: optimiser / schedule / DeepSpeed / checkpoint knobs (the `trainer`, `optim` and
+- `TrainSettings` (`dart_train.settings`): optimiser / schedule / DeepSpeed / checkpoint knobs (the `trainer`, `optim` and
   `train_eval` config groups map onto it).
 - `init_distributed()`: joins the process group the `deepspeed` launcher set up, or creates a
   world of one (env vars RANK/WORLD_SIZE/MASTER_ADDR/...) when started as a plain process;
@@ -12,41 +12,8 @@
   target lives in the state source and the frozen embedding outside the head's module registry
   (`DartDraftModel.set_target_embedding`), so neither is wrapped, sharded or checkpointed.
 
-Run directory layout:
-  checkpoints/step_00000100/   DeepSpeed checkpoint (model, optimizer, scheduler) + client state
-                               (step, data-loader position, anchor sampler and global RNG states)
-  checkpoints/latest           tag of the newest checkpoint (DeepSpeed's own pointer)
-  checkpoints/aside-<tag>-<t>/ a checkpoint newer than the one a resume loaded (unreadable, or an
-                               unfinished save), kept for inspection; never loaded or rotated
-  best/                        exported head of the evaluation with the highest simulated τ
-                               (+ best.json: step, τ); kept outside the keep-last-N rotation
-  head/                        the final exported head (`save_pretrained`: config.json +
-                               model.safetensors with the authors' key names)
-  metrics.jsonl                one line per logged step / eval (loss, α_j, tokens/s, τ)
-
-Exact resume: checkpoints are written only at optimiser-step boundaries; loading one restores the
-weights, AdamW moments, LR schedule, and on every rank its loader's (epoch, batch) position and RNGs
-(`checkpoints/<tag>/rank_state_<rank>.pt`: with ZeRO 0-2 DeepSpeed keeps client state from rank 0
-only), so the resumed loss curve equals the uninterrupted one (tests/test_train_engine.py, 2 ranks in
-tests/test_multirank.py). Anchors are sampled from a generator seeded by the micro-batch's global
-position (step, micro-batch, rank), so 2 ranks x 1 micro-batch sample what 1 rank x 2 does.
-
-Which checkpoint `resume()` loads (`dart_train.checkpoints.select_checkpoint`): the one `latest`
-names, or, when its files are unreadable (truncated, corrupt, missing) or `latest` is stale, the
-newest intact older one, with a warning naming both and the bad file; none intact: `InputError`.
-Nothing of the run is changed until the checkpoint has loaded.
-
-Resume under changes (`resume()`): the optimiser / schedule settings (`_APPLIED_ON_RESUME` in
-`dart_train.checkpoints`) may differ from the checkpoint's and are applied to the restored optimiser
-and LambdaLR (logged); the others (ZeRO stage, bf16, seed, grad_accum, world size) are refused with
-a `ResumeError` (an `InputError`) that says which value to pass. `metrics.jsonl` continues from the
-checkpoint's step: lines logged after it are moved to `metrics.dropped-<step>-<time>.jsonl` (logged),
-never lost silently.
-
-Interrupts: SIGINT (Ctrl-C) or SIGTERM during `train()` stops at the end of the current optimiser step
-(all ranks at the same one), saves a checkpoint when a step was taken since the last one, logs where and
-the command that continues the run, and raises KeyboardInterrupt (the console script exits 130). A
-second signal stops at once, without a checkpoint.
+Run directory, checkpoints, exact resume, resume under changes and interrupts: docs/training.md
+("The engine"); which checkpoint a resume loads: `dart_train.checkpoints`.
 """
 
 from __future__ import annotations
@@ -54,12 +21,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
-import socket
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -83,180 +48,23 @@ from dart_train.checkpoints import (
     set_rng_state,
     truncate_metrics,
 )
-from dart_train.dist import rank_and_world_size
+from dart_train.dist import init_distributed, rank_and_world_size
+from dart_train.memory import MemoryEstimate, estimate_step_memory
 from dart_train.objective import ObjectiveOutput, annealed_kl_loss, build_layout, draft_forward
+from dart_train.schedule import cosine_with_warmup
+from dart_train.settings import TrainSettings
+from dart_train.train_metrics import MetricsWindow
 
 log = logging.getLogger(__name__)
 
 # Re-exported: the settings check and its error belong to the checkpoints but are the engine's API.
-__all__ = ["CHECKPOINT_DIR", "RANK_STATE", "DartTrainer", "ResumeError", "TrainSettings", "check_resumable",
-           "cosine_with_warmup", "estimate_step_memory", "init_distributed"]
+# Re-exported too: the schedule, the memory estimate and the process group, which callers reach through here.
+__all__ = ["CHECKPOINT_DIR", "RANK_STATE", "DartTrainer", "MemoryEstimate", "ResumeError", "TrainSettings",
+           "check_resumable", "cosine_with_warmup", "estimate_step_memory", "init_distributed"]
 
 BEST_DIR = "best"
 HEAD_DIR = "head"
 METRICS_FILE = "metrics.jsonl"
-
-
-@dataclass
-class TrainSettings:
-    """Everything the engine needs besides the model and data (paper defaults, dart-method.md §2)."""
-
-    lr: float = 2e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.02
-    warmup_steps: int | None = None  # overrides warmup_ratio
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
-    grad_clip: float = 0.5
-    gamma: float = 0.6
-    epochs: int = 3
-    max_steps: int | None = None  # optimiser steps; overrides epochs when set
-    grad_accum: int = 1
-    zero_stage: int = 0
-    bf16: bool = False
-    # The head's forward under torch autocast in this dtype (DeepSpeed's torch_autocast: fp32 weights,
-    # optimiser and loss; matmuls in bf16), e.g. "bfloat16"; None = no autocast.
-    autocast_dtype: str | None = None
-    max_anchors: int | None = None  # per row; None = every loss-masked anchor
-    attention: str = "auto"  # auto (flex on GPU, dense on CPU) | dense | flex
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int | None = None  # optimiser steps; None = only at the end
-    save_every: int | None = None  # optimiser steps; None = only at the end
-    keep_last: int = 2
-    progress: bool = True
-    extra_ds_config: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.max_steps is None and self.epochs < 1:
-            raise ValueError("set max_steps or epochs >= 1")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
-        if self.attention not in ("auto", "dense", "flex"):
-            raise ValueError(f"attention must be auto, dense or flex, got {self.attention!r}")
-        if not 0 <= self.gamma <= 1:
-            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
-        if self.autocast_dtype not in (None, "bfloat16", "float16"):
-            raise ValueError(f"autocast_dtype must be bfloat16, float16 or None, got {self.autocast_dtype!r}")
-        if self.autocast_dtype and self.bf16:
-            raise ValueError("bf16 (bf16 weights) and autocast_dtype exclude each other: choose one")
-        self.betas = (float(self.betas[0]), float(self.betas[1]))
-
-
-def cosine_with_warmup(total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> Callable[[int], float]:
-    """LR multiplier: linear warm-up from 1/warmup to 1, then cosine down to `min_lr_ratio`.
-
-    Kept by hand on purpose: transformers' `get_cosine_with_min_lr_schedule_with_warmup` gives the
-    same cosine part but warms up from 0 (step 0 trains at lr 0: 0, 1/W, ... instead of 1/W, 2/W, ...)
-    and DeepSpeed's `WarmupCosineLR` (linear) also starts at 0 and reaches the cosine one step early
-    (measured with W=2, T=10, min 0.1). Either would change the schedule of existing runs and of
-    resumed checkpoints.
-    """
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-@dataclass
-class MemoryEstimate:
-    """Peak memory of the head's training forward + backward for the largest micro-batch (bytes).
-
-    slots = T + A(d-1) per row (T padded tokens, A anchors, d draft length). Attention: the dense
-    mask path (CPU) and eager flex_attention hold B·H·S² scores and probabilities (+ a B·S² mask);
-    compiled flex attention (CUDA) holds only B·H·S·head_dim blocks (q, k, v, output and their
-    gradients) and a block mask. Logits: B·A·d·draft_vocab fp32 rows, their log-probs and gradient."""
-
-    rows: int
-    tokens: int
-    anchors: int
-    slots: int
-    attention: int
-    logits: int
-    kind: str
-
-    @property
-    def total(self) -> int:
-        return self.attention + self.logits
-
-    def describe(self) -> str:
-        gib = 1024**3
-        return (f"peak memory estimate of the head's step ({self.kind} attention), largest micro-batch "
-                f"{self.rows} row(s) x {self.tokens} tokens + {self.anchors} anchors = {self.slots} slots: attention "
-                f"{self.attention / gib:.3g} GiB, logits {self.logits / gib:.3g} GiB, together {self.total / gib:.3g} GiB")
-
-
-def estimate_step_memory(
-    batches: Any,
-    lengths: list[int],
-    loss_tokens: list[int],
-    *,
-    draft_config: Any,
-    max_anchors: int | None,
-    compiled_flex: bool,
-    activation_bytes: int = 4,
-) -> MemoryEstimate:
-    """`MemoryEstimate` of the largest of `batches` (a sampler's batches: lists of dataset indices, or
-    of rows of indices when packed), with the anchors `build_layout` would keep per row."""
-    d = int(draft_config.draft_length)
-    heads, head_dim = int(draft_config.num_attention_heads), int(draft_config.head_dim)
-    vocab = int(draft_config.draft_vocab_size)
-    best: MemoryEstimate | None = None
-    for batch in batches:
-        rows = [row if isinstance(row, list) else [row] for row in batch]
-        tokens = max(sum(lengths[i] for i in row) for row in rows)
-        anchors = max(sum(loss_tokens[i] for i in row) for row in rows)
-        anchors = min(anchors, max_anchors) if max_anchors is not None else anchors
-        b, slots = len(rows), tokens + anchors * (d - 1)
-        if compiled_flex:
-            blocks = -(-slots // 128)
-            attention = 8 * b * heads * slots * head_dim * activation_bytes + b * heads * slots * 4 + 2 * b * blocks**2 * 4
-        else:
-            attention = 2 * b * heads * slots * slots * activation_bytes + b * slots * slots
-        logits = 3 * b * anchors * d * vocab * 4
-        estimate = MemoryEstimate(b, tokens, anchors, slots, attention, logits,
-                                  "compiled flex" if compiled_flex else "dense-mask")
-        if best is None or estimate.total > best.total:
-            best = estimate
-    if best is None:
-        raise ValueError("no batch to estimate")
-    return best
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_distributed() -> None:
-    """Join (or create) the process group DeepSpeed uses; a world of one when not launched."""
-    import deepspeed
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    if "RANK" not in os.environ:  # plain `python`/console-script start: a single-process world
-        os.environ.update(
-            {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-        )
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
 
 
 def _anchor_seed(seed: int, global_micro: int) -> int:
@@ -463,7 +271,7 @@ class DartTrainer:
 
     def _train_loop(self, bar: Any, stop: StopOnSignal) -> None:
         s = self.settings
-        window = _Window(self.draft_model.config.draft_length)
+        window = MetricsWindow(self.draft_model.config.draft_length)
         micro = 0
         empty_passes = 0
         while self.step < self.total_steps:
@@ -666,60 +474,3 @@ class DartTrainer:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
-
-
-class _Window:
-    """Accumulates micro-batch statistics between optimiser steps (exact α_j / KL over rows)."""
-
-    def __init__(self, draft_length: int) -> None:
-        self.d = draft_length
-        self.reset()
-
-    def reset(self) -> None:
-        self.loss = 0.0
-        self.micro = 0
-        self.kl_sum = torch.zeros(self.d)
-        self.correct = torch.zeros(self.d)
-        self.rows = torch.zeros(self.d)
-        self.tokens = 0
-        self.loss_tokens = 0
-        self.started = time.perf_counter()
-
-    def add(self, out: ObjectiveOutput, tokens: int, loss_tokens: int) -> None:
-        self.loss += float(out.loss.detach())
-        self.micro += 1
-        self.kl_sum += out.kl_sum.detach().float().cpu()
-        self.correct += out.correct.detach().float().cpu()
-        self.rows += out.rows.detach().float().cpu()
-        self.tokens += tokens
-        self.loss_tokens += loss_tokens
-
-    def _all_reduce(self) -> None:
-        """Sum the window over ranks: the logged numbers are the global batch's, not rank 0's share."""
-        if rank_and_world_size()[1] == 1:
-            return
-        d = self.d
-        packed = torch.cat([torch.tensor([self.loss, self.micro, self.tokens, self.loss_tokens], dtype=torch.float64),
-                            self.kl_sum.double(), self.correct.double(), self.rows.double()])
-        torch.distributed.all_reduce(packed)
-        self.loss, self.micro, self.tokens, self.loss_tokens = (float(packed[0]), int(packed[1]), int(packed[2]),
-                                                                int(packed[3]))
-        self.kl_sum, self.correct, self.rows = (packed[4 : 4 + d].float(), packed[4 + d : 4 + 2 * d].float(),
-                                                packed[4 + 2 * d :].float())
-
-    def flush(self, *, lr: float, step: int) -> dict[str, Any]:
-        self._all_reduce()
-        seconds = max(time.perf_counter() - self.started, 1e-9)
-        rows = self.rows.clamp(min=1)
-        metrics: dict[str, Any] = {
-            "step": step,
-            "loss": self.loss / max(self.micro, 1),
-            "lr": lr,
-            "tokens": self.tokens,
-            "tokens_per_s": self.tokens / seconds,
-        }
-        for j in range(self.d):
-            metrics[f"alpha_{j + 1}"] = float(self.correct[j] / rows[j])
-            metrics[f"kl_{j + 1}"] = float(self.kl_sum[j] / rows[j])
-        self.reset()
-        return metrics
