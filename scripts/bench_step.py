@@ -5,13 +5,17 @@ sees the same cache; median and best of `--repeats`): the target's AR step (`nex
 verification of `--nodes` nodes (`verify`), the cache bookkeeping after it (`keep_path`), the draft
 head's step (`draft_step`, n accepted positions + its masks) and the draft-vocabulary lm_head.
 Part 2, `profile=True` generations (AR and DART interleaved over `--prompts` MT-Bench first turns):
-ms per step and per phase, tokens/s.
+ms per step and per phase, tokens/s; the target's forward split into attention, MLP and lm_head
+(forward hooks on its modules) and everything else in it (embedding, norms, masks, dispatch).
+Both parts print each number beside **the floor measured in the same run**: the time one forward
+needs just to read the target's weights at this machine's memory bandwidth (`--floor-gib` of bf16
+summed by torch on the same threads), since a batch-1 decoding step is bound by that read.
 
 Only public APIs are used, so the same script measures an older checkout (run it from there) for
 before/after numbers.
 
-    OMP_NUM_THREADS=1 python scripts/bench_step.py --threads 1 --dtype float32
-    python scripts/bench_step.py --head runs/ref2/best --trie runs/ngram/sharegpt/full.ngt --prompts 4
+    python scripts/bench_step.py --threads 2 --dtype bfloat16 --prompts 4     # the shipped head + default trie
+    OMP_NUM_THREADS=1 python scripts/bench_step.py --threads 1 --dtype float32 --head random --trie none
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -42,14 +47,74 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[float, float, float]:
     return statistics.median(walls), min(walls), statistics.median(cpus)
 
 
+def memory_bandwidth(gib: float, repeats: int = 5) -> float:
+    """Bytes/s this process reads: the best of `repeats` bf16 sums over `gib` GiB (torch's threads)."""
+    data = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16)
+    data.sum()
+    best = min(timed_once(data.sum) for _ in range(repeats))
+    return data.numel() * 2 / best
+
+
+def timed_once(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the weights one forward reads: every parameter storage once (tied embeddings are one
+    matrix, read by the lm_head; the embedding lookup itself reads one row)."""
+    seen: dict[int, int] = {}
+    for param in module.parameters():
+        seen[param.untyped_storage().data_ptr()] = param.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class ForwardSplit:
+    """Wall time inside the target's attention, MLP and lm_head modules (forward hooks), per call."""
+
+    KINDS = ("attention", "mlp", "lm_head")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._started: dict[int, float] = {}
+        self._handles = []
+        for name, module in model.named_modules():
+            kind = ("attention" if name.endswith("self_attn") else "mlp" if name.endswith(".mlp")
+                    else "lm_head" if name.endswith("lm_head") else None)
+            if kind is None:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre))
+            self._handles.append(module.register_forward_hook(lambda m, a, o, kind=kind: self._post(m, kind)))
+
+    def _pre(self, module: torch.nn.Module, args: object) -> None:
+        self._started[id(module)] = time.perf_counter()
+
+    def _post(self, module: torch.nn.Module, kind: str) -> None:
+        self.seconds[kind] += time.perf_counter() - self._started.pop(id(module))
+
+    def take(self) -> dict[str, float]:
+        out = {kind: self.seconds.get(kind, 0.0) for kind in self.KINDS}
+        self.seconds.clear()
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--chat-template", default=None,
                         help="for a base model without one: gemma-turns | plain | a .jinja file (as model.chat_template)")
-    parser.add_argument("--head", default=None, help="a DART head directory (default: a random head)")
-    parser.add_argument("--trie", default=None)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--head", default="dart-smollm2-135m-instruct",
+                        help="a DART head name or directory, or `random` (a random head of the demo's shape)")
+    parser.add_argument("--trie", default="auto", help="a trie file; auto: runs/ngram/sharegpt/full.ngt if built; none")
+    parser.add_argument("--tree", default="default", help="default: the device's serving tree for the dtype; "
+                        "nodes: the micro-benchmark's --nodes tree (top-8, beam 6)")
+    parser.add_argument("--floor-gib", type=float, default=1.0, help="GiB read to measure the memory bandwidth")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--context", type=int, default=300, help="cached tokens for the micro-benchmarks")
     parser.add_argument("--nodes", type=int, default=13, help="tree nodes (root included) to verify")
     parser.add_argument("--repeats", type=int, default=200, help="micro-benchmark calls (0: skip them)")
@@ -67,9 +132,13 @@ def main() -> None:
     from dart_infer.assets import resolve_model
     from dart_infer.model import DraftKVCache
 
-    tree = {"draft_top_k": 8, "beam_width": 6, "remain_total": args.nodes - 1}
+    tree = {"draft_top_k": 8, "beam_width": 6, "remain_total": args.nodes - 1} if args.tree == "nodes" else None
     head = args.head
-    if head is None:  # a random head with the demo's shape (16k draft vocabulary, 8 rows)
+    trie = {"none": None, "auto": "runs/ngram/sharegpt/full.ngt"}.get(args.trie, args.trie)
+    if trie is not None and not Path(trie).exists():
+        print(f"no trie at {trie}: DART runs without one (build it with `dart-ngram`)")
+        trie = None
+    if head == "random":  # a random head with the demo's shape (16k draft vocabulary, 8 rows)
         import tempfile
 
         torch.manual_seed(0)
@@ -78,16 +147,21 @@ def main() -> None:
         )
         head = tempfile.mkdtemp(prefix="bench_step_head_")
         DartDraftModel(config).save_pretrained(head)
-    model = DartModel.from_pretrained(args.model, head, args.trie, dtype=dtype, tree=tree,
-                                  chat_template=args.chat_template)
+    model = DartModel.from_pretrained(args.model, head, trie, dtype=dtype, tree=tree,
+                                      chat_template=args.chat_template)
     target, draft = model.target, model.draft_model
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
     prompt = torch.randint(0, vocab, (1, args.context), generator=generator)
     aux, _, cache = target.prefill(prompt)
     past = cache.get_seq_length()
+    bandwidth = memory_bandwidth(args.floor_gib)
+    weights = weight_bytes(target.model)
+    floor = weights / bandwidth
     print(f"{args.model} {args.dtype}, {torch.get_num_threads()} thread(s), {past} cached tokens, "
-          f"{args.nodes}-node tree, {args.repeats} repeats; torch {torch.__version__}\n")
+          f"{args.nodes}-node tree, {args.repeats} repeats; torch {torch.__version__}")
+    print(f"floor: {weights / 1e6:.0f} MB of weights per forward at {bandwidth / 1e9:.1f} GB/s read = "
+          f"{floor * 1e3:.2f} ms per forward (at most {1 / floor:.0f} plain tokens/s)\n")
 
     n = args.nodes
     tokens = torch.randint(0, vocab, (n,), generator=generator)
@@ -133,7 +207,7 @@ def main() -> None:
         draft.lm_head(rows)
 
     if args.repeats > 0:
-        print("| piece | CPU ms (median) | wall ms (median) | wall ms (best) |\n|---|---|---|---|")
+        print("| piece | CPU ms (median) | wall ms (median) | wall ms (best) | × floor (median) |\n|---|---|---|---|---|")
     for name, fn, reps in (
         ("target AR step (1 token)", ar_step, args.repeats),
         (f"target verify ({n} nodes)", verify, max(20, args.repeats // 4)),
@@ -142,7 +216,8 @@ def main() -> None:
         (f"draft lm_head ({draft.config.draft_length} rows)", draft_lm_head, args.repeats),
     ) if args.repeats > 0 else ():
         median, best, cpu = timed(fn, reps)
-        print(f"| {name} | {cpu * 1e3:.2f} | {median * 1e3:.2f} | {best * 1e3:.2f} |", flush=True)
+        print(f"| {name} | {cpu * 1e3:.2f} | {median * 1e3:.2f} | {best * 1e3:.2f} | {median / floor:.2f} |",
+              flush=True)
 
     if args.prompts <= 0:
         return
@@ -153,25 +228,36 @@ def main() -> None:
     model.ar_generate(prompts[0], max_new_token_num=8)
     model.dart_generate(prompts[0], max_new_token_num=8)
     totals: dict[str, dict[str, float]] = {"ar": defaultdict(float), "dart": defaultdict(float)}
+    split = ForwardSplit(target.model)
     for i, ids in enumerate(prompts):
         for kind in ("ar", "dart") if i % 2 == 0 else ("dart", "ar"):
             generate = model.ar_generate if kind == "ar" else model.dart_generate
+            split.take()
             _, stats = generate(ids, max_new_token_num=args.max_new_tokens, profile=True, return_stats=True)
             row = totals[kind]
+            for part, seconds in split.take().items():
+                row[part] += seconds
             row["steps"] += stats.steps
             row["tokens"] += stats.new_tokens
             row["wall"] += stats.wall_time
             row["emitted"] += sum(stats.emitted)
             for phase, seconds in stats.timings.items():
                 row[phase] += seconds
+    split.remove()
     phases = ("prefill", "draft", "search", "verify", "bookkeeping")
-    print("\n| method | tokens/s | τ | ms/step | " + " | ".join(f"{p} ms/step" for p in phases) + " |")
-    print("|" + "---|" * (4 + len(phases)))
+    print(f"\n{args.prompts} MT-Bench first turns x {args.max_new_tokens} new tokens, AR and DART interleaved; "
+          f"ms per step (the AR loop's target forward is its 'verify'); floor {floor * 1e3:.2f} ms\n")
+    print("| method | tokens/s | τ | ms/step | × floor | " + " | ".join(f"{p}" for p in phases)
+          + " | target: attention | MLP | lm_head | rest of the forward |")
+    print("|" + "---|" * (5 + len(phases) + 4))
     for kind, row in totals.items():
         steps = max(1.0, row["steps"])
-        per_phase = " | ".join(f"{row[p] / steps * 1e3:.2f}" for p in phases)
-        print(f"| {kind} | {row['tokens'] / row['wall']:.1f} | {row['emitted'] / steps:.2f} | "
-              f"{row['wall'] / steps * 1e3:.1f} | {per_phase} |")
+        ms = {key: value / steps * 1e3 for key, value in row.items()}
+        forward = ms.get("verify", 0.0) + ms.get("prefill", 0.0)  # what the hooks saw: every target forward
+        rest = forward - sum(ms.get(k, 0.0) for k in ForwardSplit.KINDS)
+        cells = [f"{ms.get(p, 0.0):.2f}" for p in phases] + [f"{ms.get(k, 0.0):.2f}" for k in ForwardSplit.KINDS]
+        print(f"| {kind} | {row['tokens'] / row['wall']:.1f} | {row['emitted'] / steps:.2f} | {ms['wall']:.1f} | "
+              f"{ms['wall'] / (floor * 1e3):.2f} | " + " | ".join(cells) + f" | {rest:.2f} |")
 
 
 if __name__ == "__main__":
