@@ -41,6 +41,20 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     return False
 
 
+def default_device() -> torch.device:
+    """Where the commands run models: the GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype_name(value: str) -> str:
+    """The one resolver of a dtype setting (`serve_dtype`, `model.dtype`): a name (float32, bf16, ...)
+    as its canonical name, or `auto` = bfloat16 where this machine computes it natively (CUDA, CPUs
+    with AVX512-BF16/AMX), else float32, the exactness mode (greedy DART equals plain decoding)."""
+    if str(value) != "auto":
+        return str(as_dtype(str(value))).removeprefix("torch.")
+    return "bfloat16" if native_bf16(default_device()) else "float32"
+
+
 def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast `module`'s floating parameters to `dtype` in place, buffers untouched; returns `module`.
 

@@ -107,9 +107,9 @@ def _dtype(name: str | None) -> torch.dtype | None:
 
 
 def _native_bf16() -> bool:
-    from dart_infer.dtypes import native_bf16
+    from dart_infer.dtypes import default_device, native_bf16
 
-    return native_bf16("cuda" if torch.cuda.is_available() else "cpu")
+    return native_bf16(default_device())
 
 
 def _autocast_dtype(name: str | None) -> torch.dtype | None:

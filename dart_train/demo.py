@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from hydra import compose
 from hydra.errors import HydraException
 from omegaconf import DictConfig, open_dict
@@ -48,15 +47,10 @@ def hardware_choice() -> str | None:
 
 
 def serve_dtype(cfg: DictConfig) -> str:
-    """`serve_dtype`: a dtype name, or `auto` = bfloat16 where this machine computes it natively
-    (CUDA, CPUs with AVX512-BF16/AMX), else float32 (the exactness mode)."""
-    from dart_infer.generate import as_dtype, native_bf16
+    """`serve_dtype` resolved (`dart_infer.dtypes.resolve_dtype_name`: auto = bf16 where native)."""
+    from dart_infer.dtypes import resolve_dtype_name
 
-    value = str(cfg.serve_dtype)
-    if value != "auto":
-        return str(as_dtype(value)).removeprefix("torch.")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "bfloat16" if native_bf16(device) else "float32"
+    return resolve_dtype_name(str(cfg.serve_dtype))
 
 
 def ngram_config(cfg: DictConfig) -> DictConfig:

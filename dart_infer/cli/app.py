@@ -17,19 +17,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dart_infer.cli import hydra_app
+from dart_infer.dtypes import resolve_dtype_name
 
 log = logging.getLogger(__name__)
-
-
-def serve_dtype(value: str) -> str:
-    """A dtype name, or `auto` = bfloat16 where this machine computes it natively (CUDA, CPUs with
-    AVX512-BF16/AMX), else float32 (the exactness mode: greedy DART equals plain decoding)."""
-    from dart_infer.dtypes import as_dtype, native_bf16
-
-    if str(value) != "auto":
-        return str(as_dtype(str(value))).removeprefix("torch.")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "bfloat16" if native_bf16(device) else "float32"
 
 
 def _placeholder_head(base_model: Any) -> Any:
@@ -125,7 +115,7 @@ def build_engine(cfg: DictConfig) -> Any:
 
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    dtype = serve_dtype(cfg.serve_dtype)
+    dtype = resolve_dtype_name(cfg.serve_dtype)
     defaults = Decoding(float(cfg.temperature), float(cfg.top_p), int(cfg.top_k), None,
                         int(cfg.max_new_tokens), int(cfg.seed))
     defaults.check()  # bad defaults fail before the model loads
