@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -56,6 +57,7 @@ MODEL_KEYS = ("model.name_or_path", "draft_model", "eagle3_model", "draft.init_f
 MISSING = "???"
 
 
+@functools.cache
 def _settings_types() -> dict[str, dict[str, Any]]:
     """Field name -> type for the nodes that are settings dataclasses (any field may be set there)."""
     from dart_infer.eagle3 import Eagle3TreeSettings

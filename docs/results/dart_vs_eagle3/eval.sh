@@ -1,9 +1,10 @@
 # DART vs EAGLE-3, served: each head's tree fitted on this machine in bf16, then both evaluated against
-# the baselines, methods interleaved per prompt. Run after train.sh, with the same OUT:
+# the baselines, methods interleaved per prompt. Run after the training sweep, OUT = its hydra.sweep.dir
+# (dart-train -m experiment=dart_vs_eagle3 cmp_head=dart,eagle3: runs/cmp3m/{dart,eagle3}):
 #   OUT=runs/cmp3m bash docs/results/dart_vs_eagle3/eval.sh
 # LIMIT prompts x NEW tokens per benchmark (default 8 x 128); DART_GRID, EAGLE3_GRID: the fits' grids;
 # BASELINES: the dtypes plain decoding is timed in (the fastest of them is the reference).
-# The trees are fitted on ShareGPT train conversations that train.sh's LIMIT=9000 did not train on (the
+# The trees are fitted on ShareGPT train conversations that the experiment's data.limit=9000 did not train on (the
 # first ones after row 9000 from other source conversations, opening with a user turn), so no benchmark
 # prompt picks its own tree.
 # DART runs the paper's search (draft + trie) in both steps: context n-grams and copy spans (our CPU

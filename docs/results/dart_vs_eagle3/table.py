@@ -1,4 +1,4 @@
-"""The DART vs EAGLE-3 table (docs/dart-vs-eagle3.md) from a run of train.sh + eval.sh:
+"""The DART vs EAGLE-3 table (docs/dart-vs-eagle3.md) from the training sweep (configs/experiment/dart_vs_eagle3.yaml) + eval.sh:
 
     python docs/results/dart_vs_eagle3/table.py runs/cmp3m
 
