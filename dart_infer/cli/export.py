@@ -1,0 +1,62 @@
+"""`dart-export`: write a trained head for a serving engine (vLLM or SGLang); `dart_infer.export` does the work.
+
+    dart-export runs/my-eagle3/head --out exports/my-eagle3            # vLLM (speculators format)
+    dart-export runs/my-eagle3/head --out exports/my-eagle3-sgl --format sglang
+    vllm serve <target> --speculative-config "$(cat exports/my-eagle3/vllm_speculative_config.json)"
+
+Bad input (unknown head, a DART head, an existing non-empty --out, a bad option) is one line on
+stderr and exit code 2, as for every dart-* command (`dart_infer.errors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from dart_infer.errors import InputError, report
+
+COMMAND = "dart-export"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, like every other bad input
+        raise InputError(f"{message} (dart-export --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+    from dart_infer.export import DEFAULT_SPECULATIVE_TOKENS, FORMATS
+
+    p = _Parser(prog=COMMAND, description="Write a trained draft head for a serving engine.")
+    p.add_argument("head", help="head directory (<run>/head, <run>/best) or embedded head name")
+    p.add_argument("--out", required=True, help="new (or empty) directory to write")
+    p.add_argument("--format", default="vllm", choices=FORMATS,
+                   help="vllm: speculators format; sglang: SpecForge/SGLang layout (default vllm)")
+    p.add_argument("--target", default=None,
+                   help="the target model the head was trained for (default: from the head or its dart-train run)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help=f"draft tokens per step written into the configs (default {DEFAULT_SPECULATIVE_TOKENS})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = parser().parse_args(argv)
+        from transformers.utils import logging as hf_logging
+
+        from dart_infer.export import SPEC_CONFIG_FILE, export_head
+
+        hf_logging.disable_progress_bar()  # stderr carries only what went wrong
+
+        result = export_head(args.head, args.out, args.format, target=args.target,
+                             num_speculative_tokens=args.num_speculative_tokens)
+    except (Exception, KeyboardInterrupt) as err:
+        sys.exit(report(err, COMMAND))
+    print(f"{COMMAND}: wrote the {result.kind} head ({result.format}) to {result.out_dir}")
+    print(f"  target: {result.verifier}")
+    # vLLM's --speculative-config takes the JSON text, not a file name.
+    print(f"  vllm serve {result.verifier} --speculative-config \"$(cat {result.out_dir / SPEC_CONFIG_FILE})\"")
+
+
+if __name__ == "__main__":
+    main()
