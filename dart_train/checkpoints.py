@@ -67,7 +67,7 @@ _APPLIED_ON_RESUME = frozenset({
     "epochs", "grad_clip", "gamma", "autocast_dtype", "max_anchors", "attention", "log_every", "eval_every",
     "save_every", "keep_last", "progress",
 })
-# The config keys of the settings (`dart_train.cli.settings_from_config`), for messages.
+# The config keys of the settings (`dart_train.builders.settings_from_config`), for messages.
 _CONFIG_KEYS = {
     "lr": "optim.lr", "betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay",
     "warmup_ratio": "optim.warmup_ratio", "warmup_steps": "optim.warmup_steps",

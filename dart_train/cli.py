@@ -14,20 +14,15 @@ masks (`dart_train.template`, `dart_train.dataset`), draft vocabulary (`dart_tra
 (`dart_train.state_cache_*`) → DeepSpeed training (`dart_train.engine`) with simulated-τ evaluation
 (`dart_train.evaluate`) → an exported head in `<run_dir>/head` that `DartModel.from_pretrained` loads.
 
-Run directory: Hydra's run dir unless `output_dir` is set. A directory holds a run when it has
-checkpoints, config.yaml, metrics or an exported head. `resume=false` (default) starts a new run and
-refuses a directory that holds one (nothing is ever overwritten silently); `resume=true` continues the
-run and refuses a directory that holds none (a mistyped path is an error, not a new run from step 0);
-`resume=auto` continues the run if there is one and starts a new one otherwise. Every refusal comes
-before the model loads and leaves the run's files as they were: a resumed run's config is written to
-`<run_dir>/config.yaml` only once its checkpoint has loaded (a new run's at its start). Which checkpoint
-is loaded, and what an unreadable one does: `dart_train.checkpoints`. Ctrl-C / SIGTERM while training
-saves a checkpoint at the end of the optimiser step and exits (`dart_train.engine`, "Interrupts").
+Run directory: Hydra's run dir unless `output_dir` is set; what `resume=false|true|auto` does with it:
+`dart_train.run_dir`. The pieces wired here are built by `dart_train.builders`. A resumed run's config
+is written to `<run_dir>/config.yaml` only once its checkpoint has loaded (a new run's at its start).
+Which checkpoint is loaded, and what an unreadable one does: `dart_train.checkpoints`. Ctrl-C / SIGTERM
+while training saves a checkpoint at the end of the optimiser step and exits (docs/training.md).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from pathlib import Path
@@ -37,436 +32,25 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dart_infer.cli import hydra_app
-from dart_infer.errors import InputError
+from dart_train.builders import (
+    build_head,
+    evaluate_other_head,
+    load_target,
+    make_evaluator,
+    make_state_source,
+    regenerate_conversations,
+    regenerate_output,
+    settings_from_config,
+    start_wandb,
+    template_kwargs,
+)
+from dart_train.run_dir import RunDirError, prepare_run_dir, resumed_config, save_config
+
+# Re-exported: tests and scripts reach these through the entry point's module.
+__all__ = ["RunDirError", "build_head", "evaluate_other_head", "load_target", "main", "prepare_run_dir",
+           "regenerate_output", "resumed_config", "settings_from_config", "train"]
 
 log = logging.getLogger(__name__)
-
-# Files whose presence means "a run lives here" (config.yaml alone: a run stopped before its first
-# checkpoint, or one that only regenerated its data).
-RUN_MARKERS = ("checkpoints", "config.yaml", "metrics.jsonl", "head", "summary.json")
-RESUME_MODES = ("false", "true", "auto")
-
-
-class RunDirError(InputError):
-    """The output directory cannot be used: it holds a run and resume=false, holds none and
-    resume=true, or is not writable."""
-
-
-def resume_mode(value: Any) -> str:
-    """The `resume` setting as "false", "true" or "auto" (configs/train.yaml); YAML booleans or those words."""
-    if value is None or isinstance(value, bool):
-        return "true" if value else "false"
-    text = str(value).strip().lower()
-    if text not in RESUME_MODES:
-        raise InputError(
-            f"resume={value!r} is not a resume mode: use resume=true to continue the run in output_dir, "
-            "resume=false to start a new one, or resume=auto to continue it if it exists and start one otherwise."
-        )
-    return text
-
-
-def prepare_run_dir(run_dir: Path, resume: bool | str) -> bool:
-    """Create/check the run dir for `resume` (true, false or auto); True when an existing run is to be resumed.
-
-    Refusals come before anything is created or loaded: a mistyped output_dir with resume=true must not
-    silently become a new run from step 0, and an existing run is never overwritten."""
-    mode = resume_mode(resume)
-    existing = [m for m in RUN_MARKERS if (run_dir / m).exists()]
-    if existing and mode == "false":
-        raise RunDirError(
-            f"run directory {run_dir} already holds a run ({', '.join(existing)}). Pass resume=true to "
-            "continue it, or choose another output_dir: dart-train never overwrites a run."
-        )
-    if not existing and mode == "true":
-        raise RunDirError(
-            f"resume=true: {run_dir} holds no run to resume (no checkpoints/, config.yaml or metrics). Check "
-            "output_dir, or use resume=auto to continue a run if it exists and start a new one otherwise."
-        )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write_test-{os.getpid()}"  # one per process: ranks probe at once
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise RunDirError(f"output directory {run_dir} is not writable: {exc}") from exc
-    return bool(existing)
-
-
-def _save_config(run_dir: Path, cfg: DictConfig) -> None:
-    """`<run_dir>/config.yaml`: the resolved config a later resume continues with (complete or absent)."""
-    from dart_infer.files import atomic_write_bytes
-
-    atomic_write_bytes(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode())
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    """A config dtype name, or None for null/none."""
-    from dart_infer.dtypes import as_dtype
-
-    return None if name in (None, "null", "none") else as_dtype(name)
-
-
-def _native_bf16() -> bool:
-    from dart_infer.dtypes import default_device, native_bf16
-
-    return native_bf16(default_device())
-
-
-def _autocast_dtype(name: str | None) -> torch.dtype | None:
-    """`auto`: bfloat16 where the hardware computes it natively, else none (the target's own dtype)."""
-    if str(name) != "auto":
-        return _dtype(name)
-    return torch.bfloat16 if _native_bf16() else None
-
-
-def _draft_autocast(name: str | None) -> str | None:
-    """`trainer.autocast` as DeepSpeed's torch_autocast dtype name (`auto`: bfloat16 where native)."""
-    dtype = _autocast_dtype(name)
-    return str(dtype).removeprefix("torch.") if dtype is not None else None
-
-
-def states_target_dtype(cfg: DictConfig) -> torch.dtype:
-    """The dtype of the target's weights for computing training states (`states.target_dtype`).
-
-    `auto`: bfloat16 where the hardware has it natively, else `model.dtype`. Measured on this
-    project's CPU (AVX512-BF16 + AMX), SmolLM2's forward over 2x1024 tokens: bf16 weights 2,039 tok/s,
-    fp32 weights under bf16 autocast 1,425, fp32 717 (autocast re-casts the weights every op)."""
-    name = cfg.states.get("target_dtype", "auto")
-    loaded = _dtype(cfg.model.get("dtype", "float32")) or torch.float32
-    if str(name) == "auto":
-        chosen = torch.bfloat16 if _native_bf16() else loaded
-        log.info("states.target_dtype=auto: %s", str(chosen).removeprefix("torch."))
-        return chosen
-    return _dtype(name) or loaded
-
-
-def is_eagle3(cfg: DictConfig) -> bool:
-    """`draft=eagle3`: train an EAGLE-3 head (configs/draft/eagle3.yaml) instead of a DART one."""
-    return str(cfg.draft.get("method", "dart")) == "eagle3"
-
-
-def loss_gamma(cfg: DictConfig) -> float:
-    """The per-position (DART) / per-step (EAGLE-3) loss weight base: `draft.gamma` when the draft
-    group sets one (EAGLE-3: 0.8), else `optim.gamma` (DART: 0.6)."""
-    gamma = cfg.draft.get("gamma")
-    return float(gamma if gamma is not None else cfg.optim.gamma)
-
-
-def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any, embedding: torch.Tensor | None = None) -> Any:
-    """A random head shaped from the target's config (or `draft.init_from`), checked against it.
-    `embedding`: the target's input embedding as served (default: the target's own weight)."""
-    from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, load_eagle3_model
-    from dart_infer.loading import check_head_matches_target, load_draft_model
-    from dart_infer.model import DartDraftConfig, DartDraftModel
-
-    draft_cfg = cfg.draft
-    eagle3 = is_eagle3(cfg)
-    if draft_cfg.init_from:
-        head = (load_eagle3_model if eagle3 else load_draft_model)(str(draft_cfg.init_from), dtype=torch.float32)
-    else:
-        vocab = target.vocab_size
-        draft_vocab = draft_cfg.draft_vocab_size or vocab
-        if not 0 < int(draft_vocab) <= vocab:
-            raise ValueError(
-                f"draft.draft_vocab_size={draft_vocab} does not fit the target: it must be in 1..{vocab} "
-                "(the target's vocabulary size)"
-            )
-        length_key = "ttt_length" if eagle3 else "draft_length"
-        steps = int(draft_cfg[length_key])
-        if steps < 1:
-            raise ValueError(f"draft.{length_key} must be >= 1, got {steps}")
-        if eagle3:
-            config: Any = Eagle3DraftConfig.from_target_config(
-                target.model.config, draft_vocab_size=int(draft_vocab), ttt_length=steps
-            )
-            config.eagle_aux_hidden_state_layer_ids = list(target.aux_layer_ids)
-        else:
-            config = DartDraftConfig.from_target_config(
-                target.model.config, draft_length=steps, draft_vocab_size=int(draft_vocab)
-            )
-            config.aux_layer_ids = list(target.aux_layer_ids)
-        torch.manual_seed(int(cfg.seed))
-        head = (Eagle3DraftModel if eagle3 else DartDraftModel)(config).float()
-        head.set_vocab_mapping(vocab_mapping_fn(int(draft_vocab)))
-        if draft_cfg.get("init_output_from_target", False):
-            init_output_from_target(head, target.model)
-    check_head_matches_target(head, target)
-    head.set_target_embedding(target.embedding_weight if embedding is None else embedding)
-    return head.train()
-
-
-def init_output_from_target(head: Any, model: Any) -> None:
-    """Start the head's output where the target's is: `lm_head` rows = the target's output embedding
-    at the draft vocabulary's ids, and the final norm's weight = the target's when both are the same
-    kind of RMSNorm (the draft's final hidden state then starts in a space the target's head reads)."""
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    output = model.get_output_embeddings()
-    if output is None or tuple(output.weight.shape[1:]) != (head.config.hidden_size,):
-        raise ValueError("draft.init_output_from_target needs a target whose output embedding is [vocab, hidden]")
-    ids = torch.arange(head.d2t.numel()) + head.d2t.cpu()
-    with torch.no_grad():
-        head.lm_head.weight.copy_(output.weight.detach()[ids.to(output.weight.device)].float().cpu())
-        norm = getattr(getattr(model, "model", None), "norm", None)
-        if type(norm) is LlamaRMSNorm and norm.weight.shape == head.norm.weight.shape:
-            head.norm.weight.copy_(norm.weight.detach().float().cpu())
-        else:
-            log.info("draft.init_output_from_target: the target's final norm (%s) is not copied", type(norm).__name__)
-
-
-def _load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
-    """(target in the states dtype, tokenizer, the input embedding in `model.dtype` for the head).
-
-    The target is loaded in `model.dtype` and cast once to `states.target_dtype`; the head keeps the
-    embedding as loaded, since serving (fp32 by default) embeds with that one."""
-    from transformers import AutoModelForCausalLM
-
-    from dart_infer.assets import resolve_model
-    from dart_infer.loading import load_tokenizer
-    from dart_infer.target import TargetModel
-    from dart_train.template import check_chat_template
-
-    path = resolve_model(str(cfg.model.name_or_path))
-    # The chat template renders the training data and its loss mask; serving loads it the same way.
-    # Checked first: a bad or missing model.chat_template fails before the model loads.
-    tokenizer = load_tokenizer(path, cfg.model.get("chat_template"))
-    check_chat_template(tokenizer)
-    dtype = _dtype(cfg.model.get("dtype", "float32")) or torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    if torch.cuda.is_available():
-        model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-    model.eval().requires_grad_(False)
-    embedding = model.get_input_embeddings().weight.detach()
-    states_dtype = states_target_dtype(cfg)
-    if states_dtype != dtype:
-        from dart_infer.dtypes import cast_parameters
-
-        embedding = embedding.clone()
-        cast_parameters(model, states_dtype)  # not .to(): rotary inv_freq buffers must stay float32
-    return TargetModel(model), tokenizer, embedding
-
-
-def _state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> Any:
-    from dart_train.online_states import OnlineStateSource
-    from dart_train.state_cache_reader import OfflineStateSource
-    from dart_train.state_cache_writer import cache_header, keyed_cache_dir, precompute_states
-
-    states = cfg.states
-    topk = states.topk
-    if states.mode == "online":
-        return OnlineStateSource(
-            target,
-            topk=int(topk) if topk is not None else None,
-            hidden_dtype=_dtype(states.hidden_dtype) or torch.bfloat16,
-            autocast_dtype=_autocast_dtype(states.autocast_dtype),
-            labels_only=True,
-            compile=bool(states.get("compile", False)),
-        )
-    if states.mode == "offline":
-        root = Path(states.cache_dir) if states.cache_dir else run_dir / "states"
-        autocast = _autocast_dtype(states.autocast_dtype)
-        # One cache per target, data and settings under the root: a change makes a new one, keeps the old.
-        cache = keyed_cache_dir(root, cache_header(target, dataset, topk=int(topk), shard_size=int(states.shard_size),
-                                                   autocast_dtype=autocast))
-        log.info("offline states: %s", cache)
-        precompute_states(  # resumable: only missing shards are computed
-            target, dataset, cache, topk=int(topk), shard_size=int(states.shard_size),
-            max_tokens=int(states.max_tokens), autocast_dtype=autocast,
-            progress=bool(cfg.logging.progress),
-        )
-        return OfflineStateSource(cache, dataset, verify=bool(states.get("verify", True)))
-    raise ValueError(f"states.mode must be 'online' or 'offline', got {states.mode!r}")
-
-
-def _evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: DictConfig) -> Any:
-    ev = cfg.train_eval
-    if not ev.enabled:
-        return None
-    from dart_infer.conversations import load_conversations
-    from dart_infer.loading import eos_token_ids, load_trie
-    from dart_train.dataset import build_dataset
-    from dart_train.evaluate import SimulatedTau
-    from dart_train.online_states import OnlineStateSource
-
-    conversations = load_conversations(str(ev.source), split=ev.split, limit=ev.limit)
-    dataset = build_dataset(
-        conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=_template_kwargs(cfg)
-    )
-    trie = load_trie(str(ev.ngram_model), verify=bool(ev.get("ngram_verify", False))) if ev.ngram_model else None
-    return SimulatedTau(
-        dataset,
-        OnlineStateSource(target, topk=int(cfg.states.topk) if cfg.states.topk else None,
-                          hidden_dtype=torch.float32),
-        eos_token_ids=eos_token_ids(target.model, tokenizer),
-        trie=trie,
-        tree=OmegaConf.to_container(ev.tree, resolve=True),
-        anchors_per_sequence=int(ev.anchors_per_sequence),
-        reference=str(ev.reference),
-        gamma=loss_gamma(train_cfg),
-        eagle3_tree=OmegaConf.to_container(cfg.draft.tree, resolve=True) if is_eagle3(cfg) else None,
-    )
-
-
-def evaluate_other_head(evaluator: Any, name: str, trained: Any) -> dict[str, Any]:
-    """`train_eval.compare_head`: another head (e.g. the shipped one) through the same held-out
-    evaluation as the head just trained, in its dtype and on its device, so the two τ compare."""
-    from dart_infer.loading import load_draft_model
-
-    weight = trained.fc.weight
-    other = load_draft_model(name, dtype=weight.dtype).to(weight.device).eval()
-    other.set_target_embedding(trained.embed_tokens.weight)  # the embedding it is served with
-    with torch.no_grad():
-        result = dict(evaluator(other))
-    log.info("train_eval.compare_head=%s: held-out τ %.3f (the trained head's is in metrics.jsonl)", name,
-             result["tau"])
-    return {"head": name, **result}
-
-
-def _regenerate(cfg: DictConfig, target: Any, tokenizer: Any, conversations: list[Any]) -> list[Any]:
-    """Self-distillation: the target answers every prompt (resumable JSONL), then train on that.
-    Conversations come back in the input's order, whatever order (or ranks) wrote them."""
-    from dart_infer.conversations import load_conversations
-    from dart_train.regenerate import regenerate
-
-    output = regenerate_output(cfg)
-    stats = regenerate(
-        target.model, tokenizer, conversations, output, **_regenerate_options(cfg),
-        model_name=str(cfg.model.name_or_path),
-    )
-    log.info("regenerated into %s: %s", output, stats)
-    by_id = {str(c.id): c for c in load_conversations(str(output))}
-    return [by_id[str(c.id)] for c in conversations if str(c.id) in by_id]
-
-
-def _regenerate_options(cfg: DictConfig) -> dict[str, Any]:
-    regen = cfg.preprocess.regenerate
-    return {
-        "max_new_tokens": int(regen.max_new_tokens), "batch_size": int(regen.batch_size),
-        "temperature": float(regen.temperature), "top_p": float(regen.top_p), "seed": int(regen.seed),
-        "max_prompt_tokens": int(regen.max_prompt_tokens) if regen.max_prompt_tokens else None,
-        "keep_truncated": bool(regen.keep_truncated),
-        "max_turns": int(regen.max_turns) if regen.get("max_turns") else None,
-        "template_kwargs": _template_kwargs(cfg),
-        "chat_template": cfg.model.get("chat_template") or None,
-    }
-
-
-def regenerate_output(cfg: DictConfig) -> Path:
-    """`preprocess.regenerate.output`, or (null) one file per model and generation settings:
-    `<output_root>/regenerated/<model>/<key>.jsonl`, so changed settings never reuse old answers."""
-    from dart_train.regenerate import generation_settings, regeneration_key
-
-    regen = cfg.preprocess.regenerate
-    if regen.output:
-        return Path(str(regen.output))
-    name = str(cfg.model.name_or_path)
-    key = regeneration_key(generation_settings(name, **_regenerate_options(cfg)))
-    return Path(str(cfg.output_root)) / "regenerated" / name.strip("/").replace("/", "--") / f"{key}.jsonl"
-
-
-def _template_kwargs(cfg: DictConfig) -> dict[str, Any] | None:
-    kwargs = cfg.preprocess.get("template_kwargs")
-    return OmegaConf.to_container(kwargs, resolve=True) if kwargs else None
-
-
-def settings_from_config(cfg: DictConfig) -> Any:
-    from dart_train.engine import TrainSettings
-
-    o, t = cfg.optim, cfg.trainer
-    return TrainSettings(
-        lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps), weight_decay=float(o.weight_decay),
-        warmup_ratio=float(o.warmup_ratio),
-        warmup_steps=int(o.warmup_steps) if o.warmup_steps is not None else None,
-        min_lr_ratio=float(o.min_lr_ratio), grad_clip=float(o.grad_clip), gamma=loss_gamma(cfg),
-        epochs=int(o.epochs), max_steps=int(t.max_steps) if t.max_steps is not None else None,
-        grad_accum=int(t.grad_accum), zero_stage=int(t.zero_stage), bf16=bool(t.bf16),
-        autocast_dtype=_draft_autocast(t.get("autocast")),
-        max_anchors=int(t.max_anchors) if t.max_anchors is not None else None, attention=str(t.attention),
-        seed=int(cfg.seed), log_every=int(cfg.logging.log_every),
-        eval_every=int(cfg.train_eval.every) if cfg.train_eval.enabled and cfg.train_eval.every else None,
-        save_every=int(t.save_every) if t.save_every else None, keep_last=int(t.keep_last),
-        progress=bool(cfg.logging.progress),
-    )
-
-
-def wandb_init_kwargs(cfg: DictConfig, run_dir: Path, resume_step: int = 0) -> dict[str, Any]:
-    """`wandb.init` arguments. A resumed run logs into a new wandb run `<id>-from<step>` of the same group:
-    wandb ignores steps at or below a run's last one, and a killed run logged past its checkpoint
-    (its rewind/fork are server previews), so each segment's steps stay monotonic and none is dropped."""
-    w = cfg.logging.wandb
-    base = run_dir.name.replace("/", "_")
-    config = OmegaConf.to_container(cfg, resolve=True)
-    if resume_step:
-        config = {**config, "resumed_from_step": resume_step}
-    return {
-        "project": str(w.project), "name": w.name or run_dir.name, "dir": str(run_dir),
-        # null → $WANDB_MODE (the dart CLIs default it to offline); an explicit mode wins.
-        "mode": str(w.mode) if w.mode else os.environ.get("WANDB_MODE", "offline"),
-        "config": config, "group": base, "resume": "allow",
-        "id": f"{base}-from{resume_step:08d}" if resume_step else base,
-    }
-
-
-def _wandb(cfg: DictConfig, run_dir: Path, resume_step: int = 0) -> Any:
-    w = cfg.logging.wandb
-    if not w.enabled:
-        return None
-    try:
-        import wandb
-    except ImportError:
-        log.warning("wandb is not installed (pip install 'dart-spec[wandb]'): logging to metrics.jsonl only")
-        return None
-    kwargs = wandb_init_kwargs(cfg, run_dir, resume_step)
-    if resume_step:
-        log.info("wandb: resumed at step %d, logging to run %s (group %s)", resume_step, kwargs["id"], kwargs["group"])
-    return wandb.init(**kwargs)
-
-
-_ALWAYS_NEW = ("resume", "output_dir")
-
-
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: node}
-
-
-def resumed_config(
-    cfg: DictConfig, saved: DictConfig, explicit: list[str] | None
-) -> tuple[DictConfig, list[str]]:
-    """The config a resumed run continues with, and the differences from the saved run (as text).
-
-    `dart-train output_dir=X resume=true` continues the run as it was configured (its saved
-    `config.yaml`), not with the defaults; keys named on this command line (`explicit`: override
-    keys like `trainer.max_steps`, or a group like `trainer`) are the deliberate changes and win.
-    `explicit=None` (a Python caller passing a whole cfg): every key of `cfg` wins.
-    """
-    new = _leaves(OmegaConf.to_container(cfg, resolve=True))
-    old = _leaves(OmegaConf.to_container(saved, resolve=True))
-    merged = copy.deepcopy(cfg)
-    changes: list[str] = []
-    for key, value in new.items():
-        if key in _ALWAYS_NEW or key not in old or old[key] == value:
-            continue
-        named = explicit is None or any(key == e or key.startswith(e + ".") for e in explicit)
-        if named:
-            changes.append(f"{key}: {old[key]!r} -> {value!r}")
-        else:
-            OmegaConf.update(merged, key, old[key], merge=False)
-    # Keys only the saved run has come from a group option not chosen again (e.g. `draft=eagle3`
-    # resumed without naming it): the saved run keeps them unless this command line names them.
-    missing = [k for k in old if k not in new and k not in _ALWAYS_NEW]
-    if explicit is not None and missing:
-        struct = OmegaConf.is_struct(merged)
-        OmegaConf.set_struct(merged, False)
-        for key in missing:
-            if not any(key == e or key.startswith(e + ".") for e in explicit):
-                OmegaConf.update(merged, key, old[key], merge=False)
-        OmegaConf.set_struct(merged, struct)
-    return merged, changes
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -510,23 +94,23 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank has checked the run dir before rank 0 marks it as a run
     if rank == 0 and not resuming:  # a new run: config.yaml marks the directory as a run from the start
-        _save_config(run_dir, cfg)
+        save_config(run_dir, cfg)
 
-    target, tokenizer, embedding = _load_target(cfg)
+    target, tokenizer, embedding = load_target(cfg)
     conversations = load_conversations(str(cfg.data.source), split=cfg.data.split, limit=cfg.data.limit)
     regen = cfg.preprocess.regenerate
     if regen.enabled:
-        conversations = _regenerate(cfg, target, tokenizer, conversations)
+        conversations = regenerate_conversations(cfg, target, tokenizer, conversations)
         if regen.get("stop_after"):
             if rank == 0 and resuming:  # a new run saved it already
-                _save_config(run_dir, cfg)
+                save_config(run_dir, cfg)
             print(f"# dart-train: regenerated data in {regenerate_output(cfg)}; stopping "
                   "(preprocess.regenerate.stop_after)",
                   flush=True)
             return {"regenerated": str(regenerate_output(cfg)), "conversations": len(conversations)}
     cache_dir = cfg.preprocess.get("cache_dir")
     dataset = build_dataset(
-        conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=_template_kwargs(cfg),
+        conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=template_kwargs(cfg),
         cache_dir=str(cache_dir) if cache_dir else None,
     )
     log.info("training data: %s", dataset.stats.as_dict())
@@ -565,21 +149,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             activation_bytes=2 if settings.bf16 or settings.autocast_dtype else 4,
         )
         print(f"# dart-train: {estimate.describe()}", flush=True)
-    source = _state_source(cfg, target, dataset, run_dir)
-    evaluator = _evaluator(cfg, target, tokenizer, cfg)
+    source = make_state_source(cfg, target, dataset, run_dir)
+    evaluator = make_evaluator(cfg, target, tokenizer, cfg)
     trainer = DartTrainer(head, source, loader, settings, run_dir, evaluator=evaluator)
     resumed = resuming and trainer.resume(checkpoint.tag if checkpoint is not None else None)
     if resuming and not resumed:
         log.warning("resume: %s holds no checkpoint yet (stopped before its first one): starting from step 0",
                     run_dir)
     if resuming and rank == 0:  # only once the checkpoint has loaded: a refused resume leaves it as it was
-        _save_config(run_dir, cfg)
+        save_config(run_dir, cfg)
     if not resumed and int(t.get("skip_batches") or 0):  # a resumed loader already sits past them
         loader.skip(int(t.skip_batches))
         log.info("trainer.skip_batches=%d: starting at epoch %d, batch %d", int(t.skip_batches),
                  loader.epoch, loader.position)
     # After resume: the wandb run a resumed segment logs into depends on the checkpoint's step.
-    wandb_run = _wandb(cfg, run_dir, trainer.step) if rank == 0 else None
+    wandb_run = start_wandb(cfg, run_dir, trainer.step) if rank == 0 else None
     trainer.wandb_run = wandb_run
     summary = trainer.train()
     if evaluator is not None and cfg.train_eval.get("compare_head") and rank == 0:

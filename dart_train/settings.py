@@ -1,7 +1,7 @@
 """The knobs of a training run besides the model and data: optimiser, schedule, DeepSpeed, checkpoints.
 
 The `trainer`, `optim`, `train_eval` and `logging` config groups map onto `TrainSettings`
-(`dart_train.cli.settings_from_config`); invalid combinations fail here, before anything loads.
+(`dart_train.builders.settings_from_config`); invalid combinations fail here, before anything loads.
 """
 
 from __future__ import annotations
