@@ -1,17 +1,49 @@
-"""Shared test fixtures. Most tests use tiny random models; `smollm2` / `gemma3` tests use the embedded real models."""
+"""Shared test fixtures. Most tests use tiny random models; `smollm2` / `gemma3` tests use the embedded real models.
+
+Plain helpers (tiny model builders, reference checks, CLI runners) are in helpers.py. Any test that
+asks for a real model's fixture (`smollm2_dir`, `smollm2_tokenizer`, `gemma3_dir`), directly or
+through another fixture, is marked `smollm2` / `gemma3` here, so `-m "not smollm2 and not gemma3"`
+runs without touching a real model.
+"""
 
 from __future__ import annotations
 
+import json
 import os
-
-import pytest
+from pathlib import Path
 
 # Tests share 2 cores with everything else on the machine: keep torch to one thread per process
-# unless the caller asked otherwise, and never touch the network.
+# unless the caller asked otherwise, and never touch the network. Set before `helpers` (and with it
+# torch) is imported below: torch reads OMP_NUM_THREADS once, at import.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+from helpers import (  # noqa: E402, F401 (tiny_llama_config, tiny_llama: also importable from conftest)
+    ENGINE_VOCAB,
+    TRAIN_CONVERSATIONS,
+    save_tiny_checkpoint,
+    tiny_llama,
+    tiny_llama_config,
+)
+
+# Fixture -> the marker of the real model it loads.
+REAL_MODEL_FIXTURES = {"smollm2_dir": "smollm2", "smollm2_tokenizer": "smollm2", "gemma3_dir": "gemma3"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark every test that uses a real model's fixture (its closure includes indirect uses)."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker in sorted({m for fixture, m in REAL_MODEL_FIXTURES.items() if fixture in used}):
+            if item.get_closest_marker(marker) is None:
+                item.add_marker(marker)
+
+
+# ------------------------------------------------------------------------------------- real models
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +67,84 @@ def gemma3_dir() -> str:
     from dart_infer.assets import resolve_model
 
     return resolve_model("gemma3-270m")
+
+
+# ------------------------------------------------- tiny targets with SmolLM2's tokenizer, saved
+
+
+@pytest.fixture(scope="module")
+def tiny_dart(smollm2_tokenizer, tmp_path_factory):
+    """dart-eval's tiny world: a tiny random target with SmolLM2's tokenizer (its chat template and
+    vocabulary), a random head, a trie of the target's own greedy continuations; the `DartModel`
+    and the directory they are saved in (base/, head/, tiny.trie)."""
+    import torch
+
+    from dart_infer import DartDraftConfig, DartDraftModel, DartModel
+    from dart_infer.assets import tokenizer_fingerprint
+    from dart_infer.conversations import load_conversations
+    from dart_infer.evaluate import chat_prompt
+    from ngram_builder import NgramTrie
+
+    vocab = 49152  # SmolLM2's tokenizer drives the chat template, so the tiny target shares its vocabulary
+    base = tiny_llama(0, vocab_size=vocab, head_dim=8, max_position_embeddings=2048, initializer_range=0.3,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, attn_implementation="sdpa")
+    config = base.config
+    head = DartDraftModel(DartDraftConfig.from_target_config(config, draft_length=4, draft_vocab_size=4096)).eval()
+    head.set_vocab_mapping(torch.arange(4096))
+    # A trie of the tiny model's own greedy continuations: the n-gram term then has real signal.
+    trie = NgramTrie(order=3, vocab_size=vocab)
+    for conversation in load_conversations("mtbench", limit=4):
+        ids = chat_prompt(smollm2_tokenizer, conversation.messages[:1])
+        out = base.generate(ids[None], do_sample=False, max_new_tokens=24, pad_token_id=2)
+        trie.add_tokens(out[0].tolist() + [2])
+    trie.tokenizer_fingerprint = tokenizer_fingerprint(smollm2_tokenizer)
+    root = tmp_path_factory.mktemp("tiny_dart")
+    base.save_pretrained(root / "base")
+    smollm2_tokenizer.save_pretrained(root / "base")
+    head.save_pretrained(root / "head")
+    trie.save(root / "tiny.trie")
+    model = DartModel(base, head, smollm2_tokenizer, trie, tree={"draft_top_k": 8, "beam_width": 4, "remain_total": 8})
+    return model, root
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer (and chat template), saved like a Hub model."""
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def conversations_file(tmp_path_factory) -> Path:
+    """`TRAIN_CONVERSATIONS` as a JSONL file (dart-train's `data=jsonl`)."""
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(c) for c in TRAIN_CONVERSATIONS) + "\n")
+    return path
+
+
+# --------------------------------------------------------------- the training engine's tiny world
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    """`tiny_llama()` (64 tokens) as the training engine's `TargetModel`."""
+    from dart_infer.target import TargetModel
+
+    return TargetModel(tiny_llama(0))
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset():
+    """12 random token sequences (lengths 12..28, the last two thirds trained) over `ENGINE_VOCAB`."""
+    import torch
+
+    from dart_train.dataset import TokenizedDataset
+
+    gen = torch.Generator().manual_seed(1)
+    sequences = []
+    for i in range(12):
+        n = 12 + (i * 5) % 17
+        ids = torch.randint(0, ENGINE_VOCAB, (n,), generator=gen)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[n // 3 :] = True
+        sequences.append({"input_ids": ids, "loss_mask": mask})
+    return TokenizedDataset(sequences)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.assets import tokenizer_fingerprint
@@ -46,13 +46,9 @@ def _script(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_files(smollm2_tokenizer, tmp_path_factory) -> dict[str, Path]:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, initializer_range=0.3,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, attn_implementation="sdpa",
-    )
-    base = LlamaForCausalLM(config).eval()
+    base = tiny_llama(0, vocab_size=VOCAB, head_dim=8, max_position_embeddings=4096, initializer_range=0.3,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, attn_implementation="sdpa")
+    config = base.config
     # As in test_generate's SmolLM2 test: the random head drafts over the tokens the tiny model emits
     # and the trie (its own greedy continuations) ranks them, so drafts do get accepted.
     trie = NgramTrie(order=3, vocab_size=VOCAB)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import tiny_llama
 
 from dart_infer.evaluate import chat_prompt
 from dart_infer.loading import (
@@ -197,20 +198,16 @@ def test_a_tokenizer_without_a_template_is_an_error_that_names_the_setting(smoll
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory, smollm2_tokenizer) -> tuple[Path, Path]:
+def saved_tiny_pair(tmp_path_factory, smollm2_tokenizer) -> tuple[Path, Path]:
     """A tiny random Llama saved with SmolLM2's tokenizer (its own template), and a head for it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from dart_infer.model import DartDraftConfig, DartDraftModel
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                         bos_token_id=smollm2_tokenizer.bos_token_id, eos_token_id=smollm2_tokenizer.eos_token_id)
+    base = tiny_llama(0, vocab_size=len(smollm2_tokenizer), head_dim=8, max_position_embeddings=512,
+                      bos_token_id=smollm2_tokenizer.bos_token_id, eos_token_id=smollm2_tokenizer.eos_token_id)
     root = tmp_path_factory.mktemp("tiny_pair")
-    LlamaForCausalLM(config).save_pretrained(root / "base")
+    base.save_pretrained(root / "base")
     smollm2_tokenizer.save_pretrained(root / "base")
-    head = DartDraftModel(DartDraftConfig.from_target_config(config, draft_length=2, draft_vocab_size=16))
+    head = DartDraftModel(DartDraftConfig.from_target_config(base.config, draft_length=2, draft_vocab_size=16))
     head.set_vocab_mapping(torch.arange(16))
     head.save_pretrained(root / "head")
     return root / "base", root / "head"
@@ -249,16 +246,16 @@ def test_dart_ngram_and_dart_demo_pass_the_setting_on(tmp_path: Path) -> None:
     assert [stage.model.chat_template for stage in stages] == ["gemma-turns"] * 3
 
 
-def test_dart_train_eval_and_app_load_the_configured_template(tiny_pair, smollm2_tokenizer) -> None:
+def test_dart_train_eval_and_app_load_the_configured_template(saved_tiny_pair, smollm2_tokenizer) -> None:
     from dart_infer.cli.app import load_model as app_model
     from dart_infer.cli.eval import load_model as eval_model
-    from dart_train.cli import _load_target
+    from dart_train.builders import load_target
 
-    base, head = tiny_pair
+    base, head = saved_tiny_pair
     plain = builtin_chat_template("plain")
-    _, tokenizer, _ = _load_target(_compose("train", f"model.name_or_path={base}", "model.chat_template=plain"))
+    _, tokenizer, _ = load_target(_compose("train", f"model.name_or_path={base}", "model.chat_template=plain"))
     assert tokenizer.chat_template == plain
-    _, tokenizer, _ = _load_target(_compose("train", f"model.name_or_path={base}"))
+    _, tokenizer, _ = load_target(_compose("train", f"model.name_or_path={base}"))
     assert tokenizer.chat_template == smollm2_tokenizer.chat_template
     served = [f"model.name_or_path={base}", f"draft_model={head}", "ngram_model=null", "hardware=cpu"]
     model = eval_model(_compose("eval", *served, "model.chat_template=plain"), None)

@@ -11,8 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_generate import reference, tiny_pair
-from test_search import EOS, FIXTURES, check_encoding, node_paths
+from helpers import EOS, FIXTURES, bigram_machine, check_encoding, node_paths, reference, tiny_pair
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.search import ContextNgram, tree_search
@@ -410,16 +409,6 @@ def test_greedy_output_with_context_ngrams_is_identical_to_generate(kind: str, t
             prompt = torch.cat([piece, torch.randint(3, 48, (1, 3), generator=gen), piece], dim=1)  # repeats
             out = model.dart_generate(prompt, max_new_token_num=32)
             assert torch.equal(out, reference(base, prompt, 32)), (kind, i)
-
-
-def bigram_machine(seed: int = 0, vocab: int = 48):
-    """A tiny Llama whose greedy next token depends on the current token only (attention output
-    zeroed): its text soon repeats, and every transition it makes again is in its context."""
-    base, head = tiny_pair("llama", seed=seed)
-    with torch.no_grad():
-        for layer in base.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    return base, head
 
 
 def test_serving_accepts_more_on_text_that_repeats_itself() -> None:

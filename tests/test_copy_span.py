@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_context_ngram import bigram_machine
-from test_generate import reference, tiny_pair
+from helpers import bigram_machine, reference, tiny_pair
 
 from dart_infer import DartModel
 from dart_infer.tree import DraftTree, TreeSearchSettings, copy_span, tree_from_parents, with_copy_span

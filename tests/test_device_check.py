@@ -10,24 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_device_check_dry_run_writes_the_report(smollm2_tokenizer, tmp_path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
-    smollm2_tokenizer.save_pretrained(tmp_path / "model")
+    save_tiny_checkpoint(tmp_path / "model", smollm2_tokenizer)
     chats = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 4}."},
                            {"role": "assistant", "content": " ".join(str(k) for k in range(i, i + 5))}]}
              for i in range(12)]

@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    COMMON,
+    PUBLISHED_KEYS,
+    check_first_step_follows_the_target,
+    reference,
+    small_vocab_dart,
+    tiny_pair,
+)
 from safetensors.torch import save_file
-from test_generate import COMMON, reference, tiny_pair
-from test_sampling import check_first_step_follows_the_target, tiny_dart
 
 from dart_infer.eagle3 import (
     Eagle3DraftConfig,
@@ -20,16 +26,6 @@ from dart_infer.eagle3 import (
     TreeDraftCache,
     load_eagle3_model,
 )
-
-# The state-dict keys of published EAGLE-3 heads (SpecForge / EAGLE exports; vLLM's loader maps
-# `midlayer.` to `layers.0.` and `d2t` to `draft_id_to_target_id`, skips `t2d`).
-PUBLISHED_KEYS = {
-    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
-    "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
-}
 
 
 def eagle3_pair(kind: str = "llama", draft_vocab_size: int | None = None, seed: int = 0):
@@ -222,7 +218,7 @@ def test_stream_with_dtype_and_errors() -> None:
 def test_sampling_emits_the_targets_distribution(temperature: float, top_k: int, top_p: float) -> None:
     """DART's statistical check (tests/test_sampling.py) on EAGLE-3's trees."""
     vocab = 10
-    base = tiny_dart(vocab).base_model
+    base = small_vocab_dart(vocab).base_model
     torch.manual_seed(1)
     head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(base.config)).eval()
     model = Eagle3Model(base, head, tree={"top_k": vocab, "depth": 3, "total_tokens": 24})

@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 
 import torch
+from helpers import run_train_cli, train_overrides
 from omegaconf import OmegaConf
-from test_train_cli import conversations_file, overrides, run_cli, tiny_checkpoint  # noqa: F401 (fixtures)
 
 
-def test_dart_train_eagle3_end_to_end(tiny_checkpoint, conversations_file, tmp_path) -> None:  # noqa: F811
+def test_dart_train_eagle3_end_to_end(tiny_checkpoint, conversations_file, tmp_path) -> None:
     from dart_infer.eagle3 import Eagle3Model
 
     out = tmp_path / "run"
-    args = ["draft=eagle3", *overrides(tiny_checkpoint, conversations_file, out)]
+    args = ["draft=eagle3", *train_overrides(tiny_checkpoint, conversations_file, out)]
     args = [a for a in args if not a.startswith("draft.draft_length=")] + ["draft.ttt_length=3"]
-    result = run_cli(args, tmp_path)
+    result = run_train_cli(args, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     saved = OmegaConf.load(out / "config.yaml")
     assert saved.draft.method == "eagle3" and saved.draft.gamma == 0.8
@@ -40,24 +40,24 @@ def test_dart_train_eagle3_end_to_end(tiny_checkpoint, conversations_file, tmp_p
     assert torch.equal(generated[0, : reference.shape[1]], reference[0, : generated.shape[1]])
 
     # resume=true continues the EAGLE-3 run from its checkpoint, configured as saved.
-    more = run_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=4"], tmp_path)
+    more = run_train_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=4"], tmp_path)
     assert more.returncode == 0, more.stderr[-4000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if "loss" in m and "eval/tau" not in m] == [1, 2, 3, 4]
     assert OmegaConf.load(out / "config.yaml").draft.method == "eagle3"
 
 
-def test_dart_and_eagle3_runs_share_one_offline_state_cache(tiny_checkpoint, conversations_file, tmp_path) -> None:  # noqa: F811
+def test_dart_and_eagle3_runs_share_one_offline_state_cache(tiny_checkpoint, conversations_file, tmp_path) -> None:
     # The equal-budget comparison's cheap path: the target's states are computed once and both heads
     # train on them (the cache is keyed by target, aux layers, data and settings, not by the head).
-    dart = run_cli([*overrides(tiny_checkpoint, conversations_file, tmp_path / "dart"), "states=offline",
+    dart = run_train_cli([*train_overrides(tiny_checkpoint, conversations_file, tmp_path / "dart"), "states=offline",
                     "train_eval.enabled=false"], tmp_path)
     assert dart.returncode == 0, dart.stderr[-4000:]
     caches = sorted((tmp_path / "artifacts" / "state-cache").rglob("manifest.json"))
     assert len(caches) == 1
     shards = {p: p.stat().st_mtime_ns for p in caches[0].parent.glob("shard-*.safetensors")}
-    args = [a for a in overrides(tiny_checkpoint, conversations_file, tmp_path / "eagle3") if not a.startswith("draft.")]
-    eagle3 = run_cli(["draft=eagle3", *args, "draft.draft_vocab_size=512", "draft.ttt_length=3", "states=offline",
+    args = [a for a in train_overrides(tiny_checkpoint, conversations_file, tmp_path / "eagle3") if not a.startswith("draft.")]
+    eagle3 = run_train_cli(["draft=eagle3", *args, "draft.draft_vocab_size=512", "draft.ttt_length=3", "states=offline",
                       "train_eval.enabled=false"], tmp_path)
     assert eagle3.returncode == 0, eagle3.stderr[-4000:]
     assert sorted((tmp_path / "artifacts" / "state-cache").rglob("manifest.json")) == caches

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_evaluate import _dart_eval, tiny_dart  # noqa: F401 (fixture)
+from helpers import run_dart_eval
 
 from dart_infer.conversations import load_conversations
 from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, Eagle3Model
@@ -15,7 +15,7 @@ from dart_infer.evaluate import EvalSettings, Evaluator
 
 
 @pytest.fixture(scope="module")
-def eagle3_head(tiny_dart) -> Path:  # noqa: F811
+def eagle3_head(tiny_dart) -> Path:
     model, root = tiny_dart
     torch.manual_seed(3)
     head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(model.base_model.config, draft_vocab_size=4096))
@@ -24,7 +24,7 @@ def eagle3_head(tiny_dart) -> Path:  # noqa: F811
     return root / "eagle3"
 
 
-def test_evaluator_runs_eagle3_beside_dart(tiny_dart, eagle3_head) -> None:  # noqa: F811
+def test_evaluator_runs_eagle3_beside_dart(tiny_dart, eagle3_head) -> None:
     model, _ = tiny_dart
     from dart_infer.eagle3 import load_eagle3_model
 
@@ -40,9 +40,9 @@ def test_evaluator_runs_eagle3_beside_dart(tiny_dart, eagle3_head) -> None:  # n
         Evaluator(model, settings)
 
 
-def test_cli_eagle3_method(tiny_dart, eagle3_head, tmp_path: Path) -> None:  # noqa: F811
+def test_cli_eagle3_method(tiny_dart, eagle3_head, tmp_path: Path) -> None:
     _, root = tiny_dart
-    result = _dart_eval(
+    result = run_dart_eval(
         "model=custom", f"model.name_or_path={root / 'base'}", f"draft_model={root / 'head'}",
         f"ngram_model={root / 'tiny.trie'}", "benchmarks=[mtbench]", "limit=1", "max_new_tokens=8",
         "methods=[ar,dart,eagle3]", f"eagle3_model={eagle3_head}", "eagle3_tree.total_tokens=6",
@@ -55,9 +55,9 @@ def test_cli_eagle3_method(tiny_dart, eagle3_head, tmp_path: Path) -> None:  # n
     assert saved["meta"]["eagle3_tree"] == {"top_k": 4, "depth": 5, "total_tokens": 6}  # CPU default + override
 
 
-def test_fit_tree_measures_eagle3_tree_settings(tiny_dart, eagle3_head, tmp_path: Path) -> None:  # noqa: F811
+def test_fit_tree_measures_eagle3_tree_settings(tiny_dart, eagle3_head, tmp_path: Path) -> None:
     _, root = tiny_dart
-    result = _dart_eval(
+    result = run_dart_eval(
         "action=fit_tree", "fit.method=eagle3", "model=custom", f"model.name_or_path={root / 'base'}",
         f"draft_model={root / 'head'}", f"eagle3_model={eagle3_head}", "fit.prompts=1", "fit.max_new_tokens=8",
         "fit.eagle3_grid.top_k=[2,4]", "fit.eagle3_grid.depth=[3]", "fit.eagle3_grid.total_tokens=[6]",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama
+from transformers import LlamaForCausalLM
 
 from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, chain_logits
 from dart_infer.target import TargetModel
@@ -12,15 +13,7 @@ from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
 
 VOCAB = 97
 DRAFT_VOCAB = 40
-
-
-def tiny_target(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(cfg).eval()
+TARGET = dict(vocab_size=VOCAB, max_position_embeddings=256, attn_implementation="sdpa")  # tiny_llama fields
 
 
 def tiny_eagle3(
@@ -42,7 +35,7 @@ def tiny_eagle3(
 
 @pytest.mark.parametrize(("ttt_length", "norm_before_residual"), [(1, False), (3, False), (7, False), (7, True)])
 def test_ttt_forward_equals_the_inference_loop_step_by_step(ttt_length: int, norm_before_residual: bool) -> None:
-    target = tiny_target()
+    target = tiny_llama(**TARGET)
     head = tiny_eagle3(target, ttt_length, norm_before_residual=norm_before_residual)
     states = TargetModel(target, head.config.aux_layer_ids)
     lengths = [23, 17]
@@ -74,7 +67,7 @@ def test_ttt_forward_equals_the_inference_loop_step_by_step(ttt_length: int, nor
 
 def test_packed_documents_ttt_equals_each_document_alone() -> None:
     """Packed rows (positions restart, documents never see each other) give each document's rows."""
-    target = tiny_target(seed=2)
+    target = tiny_llama(seed=2, **TARGET)
     head = tiny_eagle3(target, 4, seed=4)
     states = TargetModel(target, head.config.aux_layer_ids)
     gen = torch.Generator().manual_seed(7)
@@ -101,7 +94,7 @@ def test_packed_documents_ttt_equals_each_document_alone() -> None:
 
 def test_ttt_loss_trains_the_head_and_reaches_every_step() -> None:
     """Gradients flow into every weight through all steps, and a few AdamW steps lower the loss."""
-    target = tiny_target()
+    target = tiny_llama(**TARGET)
     head = tiny_eagle3(target, 4).train()
     states = TargetModel(target, head.config.aux_layer_ids)
     input_ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
@@ -130,11 +123,7 @@ def test_simulated_tau_matches_eagle3_generate_on_greedy_data() -> None:
     from dart_train.online_states import OnlineStateSource
 
     vocab = 16  # a small vocabulary makes deep acceptances common with a random head
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa",
-    )).eval()
+    base = tiny_llama(0, **{**TARGET, "vocab_size": vocab})
     base.generation_config.eos_token_id = None
     torch.manual_seed(11)
     head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(base.config, ttt_length=5)).eval()

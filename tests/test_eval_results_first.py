@@ -2,7 +2,7 @@
 records reach `<out_dir>/records.jsonl` as soon as they are measured, an interrupted run resumes where
 it stopped, and the table is printed before any results file or plot can fail.
 
-`run_eval` runs in-process on the tiny random target of test_evaluate (a few seconds a run), so
+`run_eval` runs in-process on the tiny random target of conftest's `tiny_dart` (a few seconds a run), so
 failures can be injected where they would happen: at a write, in a plot, after k prompts.
 """
 
@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 
 import pytest
+from helpers import run_dart_eval
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
-from test_evaluate import _dart_eval, tiny_dart  # noqa: F401 (fixture)
 
 from dart_infer.cli import configs_dir
 from dart_infer.cli import eval as eval_cli
@@ -79,7 +79,7 @@ def count_appends(monkeypatch, fail_after: int | None = None) -> list[tuple]:
 # ------------------------------------------------------------------------ refused before any work
 
 
-def test_unwritable_out_dir_is_refused_before_the_model_loads(tiny_dart, tmp_path: Path, no_model) -> None:  # noqa: F811
+def test_unwritable_out_dir_is_refused_before_the_model_loads(tiny_dart, tmp_path: Path, no_model) -> None:
     _, root = tiny_dart
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -114,7 +114,7 @@ def test_unwritable_out_dir_is_refused_before_the_model_loads(tiny_dart, tmp_pat
     ("benchmarks=[]", r"benchmarks=\[\]: give at least one"),
     ("methods=[ar,eagle3]", "needs eagle3_model="),
 ])
-def test_bad_counts_are_refused_before_the_model_loads(tiny_dart, tmp_path: Path, no_model, override: str,  # noqa: F811
+def test_bad_counts_are_refused_before_the_model_loads(tiny_dart, tmp_path: Path, no_model, override: str,
                                                        message: str) -> None:
     _, root = tiny_dart
     with pytest.raises(InputError, match=message):
@@ -133,7 +133,7 @@ def test_bad_counts_are_refused_before_the_model_loads(tiny_dart, tmp_path: Path
     ("object.json", '{"prompt": "one"}', "expected a JSON array"),
     ("prompts.txt", "Write a poem.\n", "unsupported file type"),
 ])
-def test_bad_benchmark_files_are_refused_naming_the_file(tiny_dart, tmp_path: Path, no_model, name: str,  # noqa: F811
+def test_bad_benchmark_files_are_refused_naming_the_file(tiny_dart, tmp_path: Path, no_model, name: str,
                                                          text: str, says: str) -> None:
     _, root = tiny_dart
     path = tmp_path / name
@@ -147,7 +147,7 @@ def test_bad_benchmark_files_are_refused_naming_the_file(tiny_dart, tmp_path: Pa
     assert not (tmp_path / "out" / RECORDS_FILE).exists()
 
 
-def test_cli_refuses_in_one_line(tiny_dart, tmp_path: Path) -> None:  # noqa: F811
+def test_cli_refuses_in_one_line(tiny_dart, tmp_path: Path) -> None:
     _, root = tiny_dart
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -155,7 +155,7 @@ def test_cli_refuses_in_one_line(tiny_dart, tmp_path: Path) -> None:  # noqa: F8
               "ngram_model=null", "benchmarks=[humaneval]"]
     for args, says in (([f"out_dir={blocker / 'out'}"], f"out_dir={blocker / 'out'}: cannot write there"),
                        ([f"out_dir={tmp_path / 'out'}", "limit=0"], "limit=0")):
-        result = _dart_eval(*common, *args, cwd=tmp_path)
+        result = run_dart_eval(*common, *args, cwd=tmp_path)
         assert result.returncode != 0
         assert [line for line in result.stderr.splitlines() if says in line], result.stderr[-2000:]
         assert not (tmp_path / "out" / RECORDS_FILE).exists()
@@ -164,7 +164,7 @@ def test_cli_refuses_in_one_line(tiny_dart, tmp_path: Path) -> None:  # noqa: F8
 # ----------------------------------------------------------------------- records, resume, refusal
 
 
-def test_interrupted_run_resumes_and_measures_only_the_missing_prompts(tiny_dart, tmp_path: Path,  # noqa: F811
+def test_interrupted_run_resumes_and_measures_only_the_missing_prompts(tiny_dart, tmp_path: Path,
                                                                        monkeypatch, capsys) -> None:
     _, root = tiny_dart
     out = tmp_path / "out"
@@ -217,7 +217,7 @@ def test_interrupted_run_resumes_and_measures_only_the_missing_prompts(tiny_dart
     assert f"resuming: {UNITS} of {UNITS} measurements" in capsys.readouterr().out
 
 
-def test_other_settings_are_refused_and_the_records_kept(tiny_dart, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+def test_other_settings_are_refused_and_the_records_kept(tiny_dart, tmp_path: Path, monkeypatch) -> None:
     _, root = tiny_dart
     out = tmp_path / "out"
     eval_cli.run_eval(eval_cfg(root, out, "limit=1", "multi_turn=false"))
@@ -236,7 +236,7 @@ def test_other_settings_are_refused_and_the_records_kept(tiny_dart, tmp_path: Pa
     assert (out / RECORDS_FILE).read_bytes().startswith(before)
 
 
-def test_a_foreign_records_file_is_not_touched(tiny_dart, tmp_path: Path, no_model) -> None:  # noqa: F811
+def test_a_foreign_records_file_is_not_touched(tiny_dart, tmp_path: Path, no_model) -> None:
     _, root = tiny_dart
     out = tmp_path / "out"
     out.mkdir()
@@ -249,7 +249,7 @@ def test_a_foreign_records_file_is_not_touched(tiny_dart, tmp_path: Path, no_mod
 # ------------------------------------------------------------------------------ results last
 
 
-def test_failed_results_write_keeps_the_table_and_the_records(tiny_dart, tmp_path: Path, monkeypatch,  # noqa: F811
+def test_failed_results_write_keeps_the_table_and_the_records(tiny_dart, tmp_path: Path, monkeypatch,
                                                               capsys, caplog) -> None:
     import dart_infer.results as results
 
@@ -282,7 +282,7 @@ def test_failed_results_write_keeps_the_table_and_the_records(tiny_dart, tmp_pat
     assert appended == [] and len(json.loads(paths["json"].read_text())["records"]) == UNITS * 2
 
 
-def test_a_failed_plot_is_a_warning(tiny_dart, tmp_path: Path, monkeypatch, capsys, caplog) -> None:  # noqa: F811
+def test_a_failed_plot_is_a_warning(tiny_dart, tmp_path: Path, monkeypatch, capsys, caplog) -> None:
     import dart_infer.results as results
 
     _, root = tiny_dart

@@ -3,52 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import run_dart_eval
 
-from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-from dart_infer.assets import tokenizer_fingerprint
+from dart_infer import DartModel
 from dart_infer.conversations import load_conversations
 from dart_infer.evaluate import METHODS, EvalSettings, Evaluator, Sampling, chat_prompt
 from dart_infer.results import markdown_table, save_results, summarize
 from dart_infer.tree_fit import fit_tree
 from ngram_builder import NgramTrie
-
-VOCAB = 49152  # SmolLM2's tokenizer drives the chat template, so the tiny target shares its vocabulary
-
-
-@pytest.fixture(scope="module")
-def tiny_dart(smollm2_tokenizer, tmp_path_factory) -> tuple[DartModel, Path]:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=2048, initializer_range=0.3,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, attn_implementation="sdpa",
-    )
-    base = LlamaForCausalLM(config).eval()
-    head = DartDraftModel(DartDraftConfig.from_target_config(config, draft_length=4, draft_vocab_size=4096)).eval()
-    head.set_vocab_mapping(torch.arange(4096))
-    # A trie of the tiny model's own greedy continuations: the n-gram term then has real signal.
-    trie = NgramTrie(order=3, vocab_size=VOCAB)
-    for conversation in load_conversations("mtbench", limit=4):
-        ids = chat_prompt(smollm2_tokenizer, conversation.messages[:1])
-        out = base.generate(ids[None], do_sample=False, max_new_tokens=24, pad_token_id=2)
-        trie.add_tokens(out[0].tolist() + [2])
-    trie.tokenizer_fingerprint = tokenizer_fingerprint(smollm2_tokenizer)
-    root = tmp_path_factory.mktemp("tiny_dart")
-    base.save_pretrained(root / "base")
-    smollm2_tokenizer.save_pretrained(root / "base")
-    head.save_pretrained(root / "head")
-    trie.save(root / "tiny.trie")
-    model = DartModel(base, head, smollm2_tokenizer, trie, tree={"draft_top_k": 8, "beam_width": 4, "remain_total": 8})
-    return model, root
 
 
 def test_every_method_on_two_turns(tiny_dart, tmp_path: Path) -> None:
@@ -125,17 +92,11 @@ def test_bad_settings_fail_before_any_work(tiny_dart) -> None:
         Evaluator(no_trie, EvalSettings(methods=["ar", "dart"]))
 
 
-def _dart_eval(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    script = str(Path(sys.executable).parent / "dart-eval")
-    return subprocess.run([script, *args], capture_output=True, text=True, cwd=cwd, timeout=600,
-                          env={**os.environ, "HYDRA_FULL_ERROR": "1"})
-
-
 def test_cli_end_to_end(tiny_dart, tmp_path: Path) -> None:
     _, root = tiny_dart
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "Write a limerick about CPUs."}\nnot json\n')
-    result = _dart_eval(
+    result = run_dart_eval(
         "model=custom", f"model.name_or_path={root / 'base'}", f"draft_model={root / 'head'}",
         f"ngram_model={root / 'tiny.trie'}", f"benchmarks=[humaneval,{prompts}]", "limit=1", "max_new_tokens=8",
         f"out_dir={tmp_path / 'out'}", "tree.remain_total=4", "temperature=0", "baseline_dtypes=[]", cwd=tmp_path,
@@ -157,7 +118,7 @@ def test_cli_end_to_end(tiny_dart, tmp_path: Path) -> None:
 
 def test_cli_rejects_unknown_benchmark_before_loading(tiny_dart, tmp_path: Path) -> None:
     _, root = tiny_dart
-    result = _dart_eval(f"draft_model={root / 'head'}", "benchmarks=[nosuchbench]", cwd=tmp_path)
+    result = run_dart_eval(f"draft_model={root / 'head'}", "benchmarks=[nosuchbench]", cwd=tmp_path)
     assert result.returncode != 0
     assert "Unknown conversation source 'nosuchbench'" in result.stderr
 
@@ -251,7 +212,7 @@ def test_fit_tree_writes_into_out_dir_and_tree_accepts_the_file(tiny_dart, tmp_p
     common = ["model=custom", f"model.name_or_path={root / 'base'}", f"draft_model={root / 'head'}",
               f"ngram_model={root / 'tiny.trie'}", "benchmarks=[humaneval]"]
     fit_dir = tmp_path / "fit"
-    result = _dart_eval(
+    result = run_dart_eval(
         *common, "action=fit_tree", "model.dtype=bfloat16", f"out_dir={fit_dir}", "fit.prompts=1",
         "fit.max_new_tokens=6", "fit.grid.draft_top_k=[4]", "fit.grid.beam_width=[2]", "fit.grid.remain_total=[2,3]",
         cwd=tmp_path,
@@ -264,7 +225,7 @@ def test_fit_tree_writes_into_out_dir_and_tree_accepts_the_file(tiny_dart, tmp_p
     assert sorted(p.name for p in (configs_dir() / "tree").iterdir()) == configs_before  # nothing written there
 
     out = tmp_path / "eval"
-    result = _dart_eval(
+    result = run_dart_eval(
         *common, f"tree={fit_dir}", "tree.beam_width=3", "limit=1", "max_new_tokens=6", "temperature=0",
         "baseline_dtypes=[]", "methods=[ar,dart]", f"out_dir={out}", cwd=tmp_path,
     )
@@ -274,7 +235,7 @@ def test_fit_tree_writes_into_out_dir_and_tree_accepts_the_file(tiny_dart, tmp_p
     assert meta["tree"]["beam_width"] == 3  # a field given on the command line wins over the file
     assert meta["config"]["tree_file"] == str((fit_dir / "fit_tree.yaml").resolve())
     assert "was fitted in bfloat16" in result.stdout  # this run serves in float32
-    missing = _dart_eval(*common, f"tree={tmp_path / 'nope.yaml'}", "--cfg", "job", cwd=tmp_path)
+    missing = run_dart_eval(*common, f"tree={tmp_path / 'nope.yaml'}", "--cfg", "job", cwd=tmp_path)
     assert missing.returncode != 0 and "no such tree file" in missing.stderr
 
 
@@ -296,7 +257,7 @@ def test_cli_without_ngram_model_runs_dart_without_a_trie(tiny_dart, tmp_path: P
     common = ["model=custom", f"model.name_or_path={root / 'base'}", f"draft_model={root / 'head'}",
               "benchmarks=[humaneval]", "limit=1", "max_new_tokens=6", "temperature=0", "baseline_dtypes=[]",
               "methods=[ar,dart]"]
-    result = _dart_eval(*common, f"out_dir={tmp_path / 'none'}", cwd=tmp_path)  # no runs/ngram here
+    result = run_dart_eval(*common, f"out_dir={tmp_path / 'none'}", cwd=tmp_path)  # no runs/ngram here
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("DART runs without a trie") == 1
     rows = json.loads((tmp_path / "none" / "results.json").read_text())["summary"]["humaneval"]["T=0"]
@@ -305,19 +266,19 @@ def test_cli_without_ngram_model_runs_dart_without_a_trie(tiny_dart, tmp_path: P
     default = tmp_path / "runs" / "ngram" / "sharegpt" / "full.ngt"
     default.parent.mkdir(parents=True)
     NgramTrie.open(root / "tiny.trie").save(default)
-    result = _dart_eval(*common, f"out_dir={tmp_path / 'default'}", cwd=tmp_path)
+    result = run_dart_eval(*common, f"out_dir={tmp_path / 'default'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "using the default trie" in result.stdout
     rows = json.loads((tmp_path / "default" / "results.json").read_text())["summary"]["humaneval"]["T=0"]
     assert set(rows) == {"ar", "dart"}
     # An explicit path that does not exist fails before the model loads.
-    result = _dart_eval(*common, f"ngram_model={tmp_path / 'missing.ngt'}", cwd=tmp_path)
+    result = run_dart_eval(*common, f"ngram_model={tmp_path / 'missing.ngt'}", cwd=tmp_path)
     assert result.returncode != 0 and "no such trie" in result.stderr
 
 
 def test_cli_bf16_serving_with_fp32_baselines_at_two_temperatures(tiny_dart, tmp_path: Path) -> None:
     _, root = tiny_dart
-    result = _dart_eval(
+    result = run_dart_eval(
         "model=custom", f"model.name_or_path={root / 'base'}", f"draft_model={root / 'head'}",
         f"ngram_model={root / 'tiny.trie'}", "benchmarks=[humaneval]", "limit=2", "max_new_tokens=8",
         "model.dtype=bfloat16", "baseline_dtypes=[float32,bfloat16]", "temperature=[0,1]",

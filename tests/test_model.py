@@ -7,33 +7,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_llama, tiny_llama_config
 from safetensors.torch import load_file, save_file
-from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config
+from transformers import Gemma3TextConfig, Qwen3Config
 
 from dart_infer.loading import load_draft_model
 from dart_infer.model import CHECKPOINT_KEYS, DartDraftConfig, DartDraftModel, DraftKVCache, causal_mask
 
-
-def tiny_llama_config(**overrides) -> LlamaConfig:
-    fields = dict(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        rope_theta=5000.0,
-        rms_norm_eps=1e-5,
-    )
-    fields.update(overrides)
-    return LlamaConfig(**fields)
+# The heads' target: tiny_llama fields, with the sizes, RoPE base and norm epsilon the config tests check.
+TARGET = dict(vocab_size=101, intermediate_size=48, head_dim=8, max_position_embeddings=256, rope_theta=5000.0,
+              rms_norm_eps=1e-5)
 
 
 def tiny_head(draft_length: int = 4, draft_vocab_size: int | None = None, seed: int = 0) -> DartDraftModel:
-    torch.manual_seed(seed)
-    target = LlamaForCausalLM(tiny_llama_config())
+    target = tiny_llama(seed, **TARGET)
     head = DartDraftModel(
         DartDraftConfig.from_target_config(
             target.config, draft_length=draft_length, draft_vocab_size=draft_vocab_size
@@ -44,7 +31,7 @@ def tiny_head(draft_length: int = 4, draft_vocab_size: int | None = None, seed: 
 
 
 def test_config_follows_llama_and_qwen3_targets() -> None:
-    llama = tiny_llama_config()
+    llama = tiny_llama_config(**TARGET)
     cfg = DartDraftConfig.from_target_config(llama, draft_vocab_size=64)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
         32,
@@ -76,11 +63,11 @@ def test_config_follows_llama_and_qwen3_targets() -> None:
 
 def test_bad_configs_are_rejected() -> None:
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        DartDraftConfig.from_target_config(tiny_llama_config(), draft_vocab_size=500)
+        DartDraftConfig.from_target_config(tiny_llama_config(**TARGET), draft_vocab_size=500)
     with pytest.raises(ValueError, match="draft_length"):
-        DartDraftConfig.from_target_config(tiny_llama_config(), draft_length=0)
+        DartDraftConfig.from_target_config(tiny_llama_config(**TARGET), draft_length=0)
     with pytest.raises(ValueError, match="at least 3 decoder layers"):
-        DartDraftConfig.from_target_config(tiny_llama_config(num_hidden_layers=2))
+        DartDraftConfig.from_target_config(tiny_llama_config(**TARGET, num_hidden_layers=2))
 
 
 def test_a_hybrid_target_gives_the_head_its_full_attention_rope() -> None:
@@ -263,7 +250,7 @@ def test_vocab_mapping_fills_t2d_and_d2t() -> None:
 
 
 def test_embedding_must_match_and_be_attached() -> None:
-    head = DartDraftModel(DartDraftConfig.from_target_config(tiny_llama_config(), draft_length=3))
+    head = DartDraftModel(DartDraftConfig.from_target_config(tiny_llama_config(**TARGET), draft_length=3))
     aux, ids = torch.randn(1, 4, 96), torch.randint(0, 101, (1, 4))
     with pytest.raises(RuntimeError, match="set_target_embedding"):
         head.prefix_inputs(aux, ids)
@@ -352,7 +339,8 @@ def test_keep_selects_positions_and_masks_see_only_their_prefix() -> None:
 
 
 def test_flex_attention_block_mask_matches_dense_mask() -> None:
-    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from torch.nn.attention import flex_attention as flex  # torch>=2.6 (pyproject) always has it
+
     head = tiny_head(draft_length=4).eval()
     T = 16
     aux, ids = torch.randn(2, T, 96), torch.randint(0, 101, (2, T))

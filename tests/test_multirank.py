@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_tiny_checkpoint
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -34,18 +35,8 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_tokenizer) -> tuple[Path, Path]:
     """(a tiny random Llama saved like a Hub model, a JSONL of 16 conversations)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("multirank")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    smollm2_tokenizer.save_pretrained(root / "model")
+    save_tiny_checkpoint(root / "model", smollm2_tokenizer)
     data = root / "chats.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in CONVERSATIONS) + "\n")
     return root / "model", data

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama
 
 from dart_infer.conversations import Conversation, load_conversations
 from dart_train.dataset import build_dataset
@@ -17,13 +17,8 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def model(smollm2_tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=smollm2_tokenizer.eos_token_id, pad_token_id=smollm2_tokenizer.pad_token_id,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(0, vocab_size=len(smollm2_tokenizer), num_hidden_layers=2, max_position_embeddings=512,
+                      eos_token_id=smollm2_tokenizer.eos_token_id, pad_token_id=smollm2_tokenizer.pad_token_id)
 
 
 def conv(cid: str, *turns: tuple[str, str]) -> Conversation:

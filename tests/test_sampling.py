@@ -6,37 +6,16 @@ power to reject a distribution that is only slightly different.
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import check_first_step_follows_the_target, chi_square_p_value, small_vocab_dart
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.sampling import Sampler, greedy_tokens, sampling_accept
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Pearson chi-square goodness of fit; cells with small expectation are pooled into one."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    total = counts.sum()
-    expected = probs * total
-    if (counts[probs == 0] > 0).any():
-        return 0.0  # a token the target never emits was emitted
-    big = expected >= min_expected
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 
 
 @pytest.mark.parametrize(
@@ -105,72 +84,9 @@ def test_rejected_candidates_are_renormalised_away() -> None:
     assert chi_square_p_value(counts, allowed) > 1e-3
 
 
-def tiny_dart(vocab: int = 10) -> DartModel:
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            initializer_range=0.3,
-            attn_implementation="sdpa",
-        )
-    ).eval()
-    base.generation_config.eos_token_id = None
-    head = DartDraftModel(DartDraftConfig.from_target_config(base.config, draft_length=3)).eval()
-    # Every root child is a vocabulary token: acceptance happens at most steps and at depth > 1.
-    return DartModel(base, head, tree={"draft_top_k": vocab, "beam_width": vocab, "remain_total": 24})
-
-
-def exact_joint(
-    model: DartModel, prompt: torch.Tensor, temperature: float, top_k: int, top_p: float
-) -> torch.Tensor:
-    """p(x1, x2, x3 | prompt) of the target after temperature/top-k/top-p, by enumeration."""
-    base, sampler = model.base_model, Sampler(temperature, top_p, top_k)
-    vocab = base.config.vocab_size
-    pairs = torch.tensor(list(itertools.product(range(vocab), repeat=2)))
-    with torch.no_grad():
-        p1 = sampler.probs(base(prompt).logits[0, -1])
-        seqs = torch.cat([prompt.expand(pairs.shape[0], -1), pairs], dim=1)
-        logits = base(seqs).logits
-    p2 = sampler.probs(logits[::vocab, -2])  # [x1, x2]: rows with x2 = 0 share the x1 context
-    p3 = sampler.probs(logits[:, -1]).view(vocab, vocab, vocab)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def check_first_step_follows_the_target(model: Any, generate: Any, temperature: float, top_k: int, top_p: float) -> None:
-    """Tokens 2 and 3 come from the first verification step (accepted draft tokens or bonus): their
-    joint distribution, over all first tokens, must be the target's. `generate`: a speculative
-    method of `model` with `dart_generate`'s arguments (DART's, EAGLE-3's)."""
-    vocab = model.base_model.config.vocab_size
-    prompt = torch.tensor([[1, 4, 7, 2]])
-    expected = exact_joint(model, prompt, temperature, top_k, top_p).sum(0)
-    generator = torch.Generator().manual_seed(11)
-    counts = torch.zeros(vocab, vocab)
-    accepted = 0
-    draws = 2000
-    for _ in range(draws):
-        out, stats = generate(
-            prompt, temperature, top_p, top_k, max_new_token_num=3, generator=generator, return_stats=True
-        )
-        x2, x3 = out[0, 5:].tolist()
-        counts[x2, x3] += 1
-        accepted += sum(stats.accept_lengths)
-    assert accepted > draws // 2  # draft tokens were accepted, not only bonus tokens sampled
-    p_value = chi_square_p_value(counts, expected)
-    assert p_value > 1e-3
-    # Negative control: the same counts reject the distribution at a slightly different temperature.
-    shifted = exact_joint(model, prompt, temperature * 1.25, top_k, top_p).sum(0)
-    assert chi_square_p_value(counts, shifted) < 1e-3
-
-
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 0.0), (0.8, 6, 0.9)])
 def test_dart_sampling_emits_the_targets_distribution(temperature: float, top_k: int, top_p: float) -> None:
-    model = tiny_dart(10)
+    model = small_vocab_dart(10)
     check_first_step_follows_the_target(model, model.dart_generate, temperature, top_k, top_p)
 
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import math
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import EOS, FIXTURES, check_encoding, node_paths
 
 from dart_infer.search import tree_search
-
-FIXTURES = Path(__file__).parent / "fixtures"
-EOS = 2
+from ngram_builder import NgramTrie
 
 
 @pytest.fixture(scope="module")
@@ -29,27 +27,11 @@ def golden_cases() -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _trie_class():
-    try:
-        from ngram_builder import NgramTrie
-    except ImportError:
-        return None
-    return NgramTrie if hasattr(NgramTrie, "_ngram_query_capsule") else None
-
-
-def _require_trie_class():
-    trie_class = _trie_class()
-    if trie_class is None:
-        pytest.skip("ngram_builder.NgramTrie with _ngram_query_capsule() is not available")
-    return trie_class
-
-
 @pytest.fixture(scope="module")
 def golden_trie_built():
-    trie_class = _require_trie_class()
     with open(FIXTURES / "golden60_docs.json") as f:
         spec = json.load(f)
-    trie = trie_class(order=spec["order"])
+    trie = NgramTrie(order=spec["order"])
     for doc in spec["docs"]:
         trie.add_tokens(doc)
     return trie
@@ -57,68 +39,13 @@ def golden_trie_built():
 
 @pytest.fixture(scope="module")
 def golden_trie_loaded():
-    trie_class = _require_trie_class()
-    return trie_class.load_dart(str(FIXTURES / "golden60.trie"))
+    return NgramTrie.load_dart(str(FIXTURES / "golden60.trie"))
 
 
-# ----------------------------------------------------------------------------------------------
-# Helpers
-
-
-def node_paths(draft_tokens, tree_mask) -> list[tuple[int, ...]]:
-    """Token path (root excluded) of every non-root node, read from the mask and depth order."""
-    tokens = [int(t) for t in draft_tokens]
-    mask = np.asarray(tree_mask, dtype=bool)
-    paths = []
-    for i in range(1, len(tokens)):
-        ancestors = [j for j in range(1, len(tokens)) if mask[i][j]]
-        paths.append(tuple(tokens[j] for j in ancestors))  # nodes are in depth order
-    return paths
-
-
-def check_encoding(draft_tokens, retrieve_indices, tree_mask, tree_positions, root: int) -> None:
-    """Every invariant the tree verification relies on."""
-    n = draft_tokens.shape[0]
-    assert draft_tokens.dtype == torch.int64 and tree_positions.dtype == torch.int64
-    assert retrieve_indices.dtype == torch.int64 and tree_mask.dtype == torch.bool
-    assert tree_mask.shape == (n, n) and tree_positions.shape == (n,)
-    assert int(draft_tokens[0]) == root and int(tree_positions[0]) == 0
-    positions = tree_positions.tolist()
-    assert positions == sorted(positions), "nodes must be sorted by depth"
-    assert all(p >= 1 for p in positions[1:])
-    mask = tree_mask.numpy()
-    # Parent of node i = its ancestor at depth - 1 (exactly one), root for depth 1.
-    parents = [-1]
-    for i in range(1, n):
-        assert mask[i][i] and mask[i][0]
-        seen = [j for j in range(n) if mask[i][j]]
-        assert all(j <= i for j in seen), "a node may only see earlier nodes"
-        depths = sorted(positions[j] for j in seen)
-        assert depths == list(range(positions[i] + 1)), "a node sees exactly one node per depth above it"
-        parent = max(j for j in seen if j != i)
-        assert positions[parent] == positions[i] - 1
-        # Ancestors of i = parent's ancestors + i.
-        assert set(seen) == {j for j in range(n) if mask[parent][j]} | {i}
-        parents.append(parent)
-    assert mask[0].tolist() == [True] + [False] * (n - 1)
-    # No two nodes with the same token path.
-    paths = node_paths(draft_tokens, tree_mask)
-    assert len(set(paths)) == len(paths)
-    # retrieve_indices: one row per leaf, root..leaf, -1 padding, width max_depth + 1.
-    max_depth = max(positions)
-    leaves = set(range(1, n)) - set(parents)
-    assert retrieve_indices.shape == (len(leaves), max_depth + 1)
-    row_leaves = []
-    for row in retrieve_indices.tolist():
-        valid = [x for x in row if x >= 0]
-        assert row == valid + [-1] * (len(row) - len(valid)), "padding only at the end"
-        assert valid[0] == 0
-        for depth, node in enumerate(valid):
-            assert positions[node] == depth
-            if depth > 0:
-                assert parents[node] == valid[depth - 1]
-        row_leaves.append(valid[-1])
-    assert sorted(row_leaves) == sorted(leaves)
+def test_the_compiled_trie_exposes_its_query_hook_to_the_search() -> None:
+    # The trie-guided search reads the trie through this capsule; without it every test with a trie
+    # fails (as it should: a stale or partial build of the extension is a broken install, not a skip).
+    assert hasattr(NgramTrie, "_ngram_query_capsule"), "rebuild ngram_builder (`make venv` / pip install -e .)"
 
 
 def reference_search(
@@ -332,10 +259,9 @@ def test_with_trie_matches_reference(golden_trie_built, golden_cases, order_case
 def test_other_trie_orders_match_reference(golden_cases, order):
     # Contexts of order - 1 tokens: none (unigram), the last token only, or three tokens taken from
     # both the prompt and the path (short prompts included).
-    trie_class = _require_trie_class()
     with open(FIXTURES / "golden60_docs.json") as f:
         docs = json.load(f)["docs"][:12]
-    trie = trie_class(order=order)
+    trie = NgramTrie(order=order)
     for doc in docs:
         trie.add_tokens(doc)
     for index, case in enumerate(golden_cases[100:112]):

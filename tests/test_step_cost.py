@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.target import GrowingLayer, TargetModel, use_fast_matmul_layout
 
-CONFIG = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, initializer_range=0.3,
-    attn_implementation="sdpa",
-)
+# tiny_llama fields; initializer_range 0.3: peaked random logits, no near-ties for fp32 rounding to decide.
+CONFIG = dict(vocab_size=97, head_dim=8, max_position_embeddings=1024, initializer_range=0.3,
+              attn_implementation="sdpa")
 
 
-def tiny(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+def tiny(seed: int = 0):
+    return tiny_llama(seed, **CONFIG)
 
 
 def test_growing_cache_gives_the_same_numbers_as_transformers_cache() -> None:

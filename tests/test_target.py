@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from helpers import tiny_llama_config
+from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dart_infer.target import TargetModel, aux_layer_ids
 
@@ -20,10 +21,11 @@ COMMON = dict(
 )
 
 
-def tiny_target(kind: str, attn: str = "sdpa", seed: int = 0):
+def tiny_base(kind: str, attn: str = "sdpa", seed: int = 0):
+    """A tiny random Llama or Qwen3 (`COMMON` fields) in eval mode."""
     torch.manual_seed(seed)
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**COMMON, attn_implementation=attn))
+        model = LlamaForCausalLM(tiny_llama_config(**COMMON, attn_implementation=attn))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**COMMON, attn_implementation=attn))
     return model.eval()
@@ -65,7 +67,7 @@ def test_aux_layer_ids() -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_states_are_the_inputs_of_layers_2_mid_and_l_minus_3(kind: str) -> None:
-    model = tiny_target(kind)
+    model = tiny_base(kind)
     target = TargetModel(model)
     assert target.aux_layer_ids == (2, 3, 4)
     ids = torch.randint(0, 97, (2, 9))
@@ -89,7 +91,7 @@ def test_states_are_the_inputs_of_layers_2_mid_and_l_minus_3(kind: str) -> None:
 
 @pytest.mark.parametrize(("kind", "attn"), [("llama", "sdpa"), ("qwen3", "sdpa"), ("llama", "eager")])
 def test_tree_verify_in_one_forward_equals_each_path_alone(kind: str, attn: str) -> None:
-    model = tiny_target(kind, attn)
+    model = tiny_base(kind, attn)
     target = TargetModel(model)
     prompt = torch.randint(0, 97, (12,))
     aux_prompt, last, cache = target.prefill(prompt[None])
@@ -109,7 +111,7 @@ def test_tree_verify_in_one_forward_equals_each_path_alone(kind: str, attn: str)
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_keep_path_leaves_exactly_the_accepted_entries(kind: str) -> None:
-    model = tiny_target(kind)
+    model = tiny_base(kind)
     target = TargetModel(model)
     prompt = torch.randint(0, 97, (10,))
     _, _, cache = target.prefill(prompt[None])
@@ -134,7 +136,7 @@ def test_keep_path_leaves_exactly_the_accepted_entries(kind: str) -> None:
 
 
 def test_keep_path_with_only_the_root_and_bad_indices() -> None:
-    target = TargetModel(tiny_target("llama"))
+    target = TargetModel(tiny_base("llama"))
     _, _, cache = target.prefill(torch.randint(0, 97, (1, 6)))
     _, depth, mask = hand_tree()
     target.verify(torch.arange(7), depth, mask, cache)
@@ -146,15 +148,15 @@ def test_keep_path_with_only_the_root_and_bad_indices() -> None:
 
 
 def test_verify_rejects_bad_shapes_and_unsupported_backends() -> None:
-    target = TargetModel(tiny_target("llama"))
+    target = TargetModel(tiny_base("llama"))
     _, _, cache = target.prefill(torch.randint(0, 97, (1, 4)))
     with pytest.raises(ValueError, match="tree shapes disagree"):
         target.verify(torch.arange(3), torch.arange(3), torch.ones(2, 2, dtype=torch.bool), cache)
     with pytest.raises(ValueError, match="empty prompt"):
         target.prefill(torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(ValueError, match="aux layer ids"):
-        TargetModel(tiny_target("llama"), layer_ids=(2, 3, 7))
-    flash = tiny_target("llama")
+        TargetModel(tiny_base("llama"), layer_ids=(2, 3, 7))
+    flash = tiny_base("llama")
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="4D mask"):
         TargetModel(flash).verify(torch.arange(1), torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), cache)

@@ -4,83 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import TRAIN_CONVERSATIONS, compose_train, run_train_cli, train_overrides
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from dart_infer.cli import configs_dir
-
-CONVERSATIONS = [
-    {"messages": [
-        {"role": "user", "content": f"Count from {i} to {i + 5}, please."},
-        {"role": "assistant", "content": " ".join(str(k) for k in range(i, i + 6)) + ". Done counting!"},
-        {"role": "user", "content": "And the square of the first number?"},
-        {"role": "assistant", "content": f"The square of {i} is {i * i}."},
-    ]}
-    for i in range(12)
-]
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer) -> Path:
-    """A tiny random Llama with the real SmolLM2 tokenizer (and chat template), saved like a Hub model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    smollm2_tokenizer.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def conversations_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    path.write_text("\n".join(json.dumps(c) for c in CONVERSATIONS) + "\n")
-    return path
-
-
-def overrides(checkpoint: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "model=custom", f"model.name_or_path={checkpoint}",
-        "data=jsonl", f"data.source={data}",
-        "trainer=cpu", "trainer.max_steps=3", "trainer.grad_accum=1", "trainer.max_tokens=512",
-        "trainer.save_every=1", "trainer.max_anchors=16",
-        "preprocess.max_length=96", "draft.draft_length=4", "draft.draft_vocab_size=512",
-        f"train_eval.source={data}", "train_eval.split=null", "train_eval.limit=3", "train_eval.every=2",
-        "logging.wandb.enabled=false", "logging.progress=false", "logging.log_every=1",
-        f"output_dir={out}", f"output_root={out.parent / 'artifacts'}", *extra,
-    ]
-
-
-def run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    # A fresh single-process world: drop the rendezvous variables earlier in-process tests set.
-    dist_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    code = "from dart_train.cli import main; main()"
-    return subprocess.run(
-        [sys.executable, "-c", code, *args, f"hydra.run.dir={cwd / 'hydra'}"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
-    )
 
 
 def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversations_file, tmp_path) -> None:
     from dart_infer.generate import DartModel
 
     out = tmp_path / "run"
-    result = run_cli(overrides(tiny_checkpoint, conversations_file, out), tmp_path)
+    result = run_train_cli(train_overrides(tiny_checkpoint, conversations_file, out), tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "# resolved config (train)" in result.stdout
     assert "# dart-train: peak memory estimate of the head's step (dense-mask attention)" in result.stdout
@@ -105,14 +45,14 @@ def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversati
 
     # Same output dir again: refused without resume=true, nothing overwritten.
     before = (out / "metrics.jsonl").read_text()
-    again = run_cli(overrides(tiny_checkpoint, conversations_file, out), tmp_path)
+    again = run_train_cli(train_overrides(tiny_checkpoint, conversations_file, out), tmp_path)
     assert again.returncode != 0
     assert "already holds a run" in again.stderr and "resume=true" in again.stderr
     assert (out / "metrics.jsonl").read_text() == before
 
     # resume=true with a larger budget continues from step 3, configured as the saved run was: only
     # what this command line names changes (no need to repeat the model, data, ... overrides).
-    more = run_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=5"], tmp_path)
+    more = run_train_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=5"], tmp_path)
     assert more.returncode == 0, more.stderr[-4000:]
     assert "resume: trainer.max_steps: 3 -> 5" in more.stdout + more.stderr
     resumed = OmegaConf.load(out / "config.yaml")
@@ -121,35 +61,30 @@ def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversati
              if "loss" in json.loads(line) and "eval/tau" not in json.loads(line)]
     assert steps == [1, 2, 3, 4, 5]
     # A change the checkpoint cannot continue with is refused, saying how; an optimiser one is applied.
-    refused = run_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=6", "trainer.zero_stage=2"], tmp_path)
+    refused = run_train_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=6", "trainer.zero_stage=2"], tmp_path)
     assert refused.returncode != 0 and "resume with trainer.zero_stage=0" in refused.stderr
-    applied = run_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=6", "optim.lr=0.5"], tmp_path)
+    applied = run_train_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=6", "optim.lr=0.5"], tmp_path)
     assert applied.returncode == 0, applied.stderr[-4000:]
     assert "resume: optim.lr: 2e-05 -> 0.5 (applied to the restored optimiser/schedule)" in applied.stdout + applied.stderr
 
 
-def _compose(*extra: str):
-    with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
-        return compose(config_name="train", overrides=list(extra))
-
-
 def test_defaults_compose_with_paper_recipe() -> None:
-    cfg = _compose()
+    cfg = compose_train()
     assert cfg.model.name_or_path == "smollm2-135m-instruct"
     assert cfg.data.source == "sharegpt" and cfg.data.split == "train"
     assert cfg.optim.lr == 2e-5 and list(cfg.optim.betas) == [0.9, 0.999] and cfg.optim.grad_clip == 0.5
     assert cfg.optim.epochs == 3 and cfg.optim.gamma == 0.6
     assert cfg.draft.draft_length == 8
     assert cfg.train_eval.tree.remain_total >= 1
-    zero3 = _compose("trainer=zero3")
+    zero3 = compose_train("trainer=zero3")
     assert zero3.trainer.zero_stage == 3 and zero3.trainer.bf16
 
 
 def test_resumed_config_keeps_the_saved_run_except_named_keys() -> None:
-    from dart_train.cli import resumed_config
+    from dart_train.run_dir import resumed_config
 
-    saved = _compose("optim.lr=0.01", "trainer.max_steps=3", "trainer=zero2")
-    new = _compose("trainer.max_steps=5", "resume=true")
+    saved = compose_train("optim.lr=0.01", "trainer.max_steps=3", "trainer=zero2")
+    new = compose_train("trainer.max_steps=5", "resume=true")
     merged, changes = resumed_config(new, saved, ["trainer.max_steps", "resume"])
     assert merged.optim.lr == 0.01 and merged.trainer.zero_stage == 2  # restored, not the defaults
     assert merged.trainer.max_steps == 5 and changes == ["trainer.max_steps: 3 -> 5"]
@@ -166,13 +101,13 @@ def test_unknown_keys_are_errors() -> None:
     from hydra.errors import ConfigCompositionException
 
     with pytest.raises(ConfigCompositionException):
-        _compose("trainer.max_step=3")  # typo of max_steps
+        compose_train("trainer.max_step=3")  # typo of max_steps
     with pytest.raises(ConfigCompositionException):
-        _compose("optim.learning_rate=1e-4")
+        compose_train("optim.learning_rate=1e-4")
 
 
 def test_run_dir_checks(tmp_path: Path) -> None:
-    from dart_train.cli import RunDirError, prepare_run_dir
+    from dart_train.run_dir import RunDirError, prepare_run_dir
 
     run = tmp_path / "r"
     assert prepare_run_dir(run, resume=False) is False
@@ -195,10 +130,10 @@ def test_run_dir_checks(tmp_path: Path) -> None:
 def test_draft_config_that_does_not_fit_the_target(tiny_checkpoint, conversations_file, tmp_path) -> None:
     from dart_train.cli import train
 
-    cfg = _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "a", "draft.draft_vocab_size=10000000"))
+    cfg = compose_train(*train_overrides(tiny_checkpoint, conversations_file, tmp_path / "a", "draft.draft_vocab_size=10000000"))
     with pytest.raises(ValueError, match="does not fit the target"):
         train(cfg)
-    cfg = _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "b", "trainer.zero_stage=5"))
+    cfg = compose_train(*train_overrides(tiny_checkpoint, conversations_file, tmp_path / "b", "trainer.zero_stage=5"))
     with pytest.raises(ValueError, match="zero_stage"):
         train(cfg)
 
@@ -208,7 +143,7 @@ def test_dataset_without_assistant_turns_is_a_clear_error(tiny_checkpoint, tmp_p
 
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "hello"}) + "\n")
-    cfg = _compose(*overrides(tiny_checkpoint, data, tmp_path / "run"))
+    cfg = compose_train(*train_overrides(tiny_checkpoint, data, tmp_path / "run"))
     with pytest.raises(ValueError, match="empty dataset"):
         train(cfg)
 
@@ -228,25 +163,25 @@ def test_deepspeed_launcher_local_rank_argument(monkeypatch) -> None:
 def test_states_target_is_a_bf16_copy_and_the_head_keeps_the_served_embedding(tiny_checkpoint) -> None:
     from transformers import AutoModelForCausalLM
 
-    from dart_train.cli import _load_target
+    from dart_train.builders import load_target
 
     served = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).get_input_embeddings().weight
     base = ["model=custom", f"model.name_or_path={tiny_checkpoint}"]
-    target, _, embedding = _load_target(_compose(*base, "states.target_dtype=bfloat16"))
+    target, _, embedding = load_target(compose_train(*base, "states.target_dtype=bfloat16"))
     assert target.dtype == torch.bfloat16 and next(target.model.parameters()).dtype == torch.bfloat16
     assert embedding.dtype == torch.float32 and torch.equal(embedding, served)
-    target, _, embedding = _load_target(_compose(*base, "states.target_dtype=float32"))
+    target, _, embedding = load_target(compose_train(*base, "states.target_dtype=float32"))
     assert target.dtype == torch.float32 and torch.equal(embedding, served)
     with pytest.raises(ValueError, match="unknown dtype"):
-        _load_target(_compose(*base, "states.target_dtype=bf17"))
+        load_target(compose_train(*base, "states.target_dtype=bf17"))
 
 
 def test_init_output_from_target_copies_the_target_rows(tiny_checkpoint, conversations_file, tmp_path) -> None:
-    from dart_train.cli import _load_target, build_head
+    from dart_train.builders import build_head, load_target
 
-    cfg = _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "run"),
+    cfg = compose_train(*train_overrides(tiny_checkpoint, conversations_file, tmp_path / "run"),
                    "draft.init_output_from_target=true", "states.target_dtype=float32")
-    target, _, embedding = _load_target(cfg)
+    target, _, embedding = load_target(cfg)
     with torch.no_grad():
         target.model.model.norm.weight.mul_(1.5)  # not the draft norm's default of ones
     mapping = torch.arange(0, 1024, 2)  # every other target id
@@ -254,22 +189,22 @@ def test_init_output_from_target_copies_the_target_rows(tiny_checkpoint, convers
     output = target.model.get_output_embeddings().weight
     assert torch.equal(head.lm_head.weight, output[mapping])
     assert torch.equal(head.norm.weight, target.model.model.norm.weight)
-    plain = build_head(target, _compose(*overrides(tiny_checkpoint, conversations_file, tmp_path / "b")),
+    plain = build_head(target, compose_train(*train_overrides(tiny_checkpoint, conversations_file, tmp_path / "b")),
                        lambda n: mapping[:n], embedding)
     assert not torch.equal(plain.lm_head.weight, output[mapping])
 
 
 def test_regenerate_only_then_resume_trains_with_the_saved_config(tiny_checkpoint, conversations_file, tmp_path):
     out, regen = tmp_path / "run", tmp_path / "regen.jsonl"
-    first = run_cli(overrides(tiny_checkpoint, conversations_file, out, "preprocess.regenerate.enabled=true",
+    first = run_train_cli(train_overrides(tiny_checkpoint, conversations_file, out, "preprocess.regenerate.enabled=true",
                               "preprocess.regenerate.stop_after=true", "preprocess.regenerate.max_new_tokens=4",
                               "preprocess.regenerate.max_turns=1", f"preprocess.regenerate.output={regen}"), tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     assert "stopping (preprocess.regenerate.stop_after)" in first.stdout and not (out / "metrics.jsonl").exists()
     rows = [json.loads(line) for line in regen.read_text().splitlines()]
-    assert len(rows) == len(CONVERSATIONS) and all(len(r["messages"]) == 2 for r in rows)  # first turns only
+    assert len(rows) == len(TRAIN_CONVERSATIONS) and all(len(r["messages"]) == 2 for r in rows)  # first turns only
     # resume=true on that directory continues the saved run (tiny model, its data) instead of the defaults.
-    more = run_cli([f"output_dir={out}", "resume=true", "preprocess.regenerate.stop_after=false"], tmp_path)
+    more = run_train_cli([f"output_dir={out}", "resume=true", "preprocess.regenerate.stop_after=false"], tmp_path)
     assert more.returncode == 0, more.stderr[-4000:]
     assert OmegaConf.load(out / "config.yaml").model.name_or_path == str(tiny_checkpoint)
     assert (out / "head" / "model.safetensors").is_file()
@@ -278,38 +213,38 @@ def test_regenerate_only_then_resume_trains_with_the_saved_config(tiny_checkpoin
 def test_states_target_keeps_float32_rotary_tables(tiny_checkpoint) -> None:
     """The bf16 copy is cast like transformers loads bf16 (parameters only): rounding the rotary
     inv_freq buffer to bf16 would shift every position's rotation (worse the longer the sequence)."""
-    from dart_train.cli import _load_target
+    from dart_train.builders import load_target
 
-    target, _, _ = _load_target(_compose("model=custom", f"model.name_or_path={tiny_checkpoint}",
+    target, _, _ = load_target(compose_train("model=custom", f"model.name_or_path={tiny_checkpoint}",
                                          "states.target_dtype=bfloat16"))
     buffers = {name: b.dtype for name, b in target.model.named_buffers() if "inv_freq" in name}
     assert buffers and set(buffers.values()) == {torch.float32}
 
 
 def test_regenerated_data_is_keyed_by_its_settings(tmp_path) -> None:
-    from dart_train.cli import _regenerate_options, regenerate_output
+    from dart_train.builders import _regenerate_options, regenerate_output
 
     base = [f"output_root={tmp_path}"]
-    default = regenerate_output(_compose(*base))
+    default = regenerate_output(compose_train(*base))
     assert default.parent == tmp_path / "regenerated" / "smollm2-135m-instruct" and default.suffix == ".jsonl"
-    assert regenerate_output(_compose(*base)) == default  # the same settings: the same file (resumable)
-    changed = {regenerate_output(_compose(*base, f"preprocess.regenerate.{key}"))
+    assert regenerate_output(compose_train(*base)) == default  # the same settings: the same file (resumable)
+    changed = {regenerate_output(compose_train(*base, f"preprocess.regenerate.{key}"))
                for key in ("temperature=0.7", "max_new_tokens=64", "top_p=0.9", "seed=1", "max_turns=1",
                            "keep_truncated=false", "max_prompt_tokens=100")}
-    changed.add(regenerate_output(_compose(*base, "model=custom", "model.name_or_path=org/other")))
-    changed.add(regenerate_output(_compose(*base, "preprocess=qwen3-nothink")))  # template options
-    changed.add(regenerate_output(_compose(*base, "model.chat_template=plain")))  # another rendering
+    changed.add(regenerate_output(compose_train(*base, "model=custom", "model.name_or_path=org/other")))
+    changed.add(regenerate_output(compose_train(*base, "preprocess=qwen3-nothink")))  # template options
+    changed.add(regenerate_output(compose_train(*base, "model.chat_template=plain")))  # another rendering
     assert len(changed) == 10 and default not in changed
-    assert regenerate_output(_compose(*base, "preprocess.regenerate.output=/x/y.jsonl")) == Path("/x/y.jsonl")
+    assert regenerate_output(compose_train(*base, "preprocess.regenerate.output=/x/y.jsonl")) == Path("/x/y.jsonl")
     # keep_truncated reaches dart_train.regenerate (its effect: tests/test_regenerate.py).
-    assert _regenerate_options(_compose("preprocess.regenerate.keep_truncated=false"))["keep_truncated"] is False
-    assert _regenerate_options(_compose())["keep_truncated"] is True
+    assert _regenerate_options(compose_train("preprocess.regenerate.keep_truncated=false"))["keep_truncated"] is False
+    assert _regenerate_options(compose_train())["keep_truncated"] is True
 
 
 def test_resumed_runs_log_to_a_new_wandb_segment(tmp_path) -> None:
-    from dart_train.cli import wandb_init_kwargs
+    from dart_train.builders import wandb_init_kwargs
 
-    cfg = _compose("logging.wandb.mode=offline")
+    cfg = compose_train("logging.wandb.mode=offline")
     first = wandb_init_kwargs(cfg, tmp_path / "my-run")
     assert (first["id"], first["group"], first["mode"]) == ("my-run", "my-run", "offline")
     resumed = wandb_init_kwargs(cfg, tmp_path / "my-run", resume_step=200)
@@ -320,17 +255,17 @@ def test_resumed_runs_log_to_a_new_wandb_segment(tmp_path) -> None:
 def test_hardware_group_sets_trainer_tree_and_dtype_together() -> None:
     from dart_infer.generate import CPU_TREE
 
-    cpu, gpu = _compose(), _compose("hardware=gpu")
+    cpu, gpu = compose_train(), compose_train("hardware=gpu")
     # The CPU tree of configs/tree/cpu.yaml, the same as DartModel's CPU default.
     assert (cpu.trainer.zero_stage, cpu.model.dtype, cpu.train_eval.tree.remain_total) == (0, "float32", CPU_TREE.remain_total)
     assert cpu.train_eval.tree.copy_span_tokens == CPU_TREE.copy_span_tokens
     assert (gpu.trainer.zero_stage, gpu.trainer.bf16, gpu.model.dtype) == (2, True, "bfloat16")
     assert gpu.train_eval.tree.remain_total == 60 and gpu.trainer.max_anchors == 512  # the paper's tree, bounded
     # What the command line names still wins.
-    mixed = _compose("hardware=gpu", "trainer=zero3", "model.dtype=float32")
+    mixed = compose_train("hardware=gpu", "trainer=zero3", "model.dtype=float32")
     assert (mixed.trainer.zero_stage, mixed.model.dtype, mixed.train_eval.tree.remain_total) == (3, "float32", 60)
     for name in ("zero2", "zero3"):
-        assert _compose(f"trainer={name}").trainer.max_anchors is not None  # GPU memory linear in tokens
+        assert compose_train(f"trainer={name}").trainer.max_anchors is not None  # GPU memory linear in tokens
     with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
         auto = compose(config_name="eval")
         on_gpu = compose(config_name="eval", overrides=["hardware=gpu"])

@@ -7,65 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import ENGINE_VOCAB, losses, make_head, make_trainer
 
 from dart_infer.model import DartDraftConfig, DartDraftModel
-from dart_infer.target import TargetModel
-from dart_train.batching import LengthBucketBatchSampler, ResumableLoader
+from dart_train.batching import LengthBucketBatchSampler
 from dart_train.dataset import TokenizedDataset
-from dart_train.engine import DartTrainer, TrainSettings, cosine_with_warmup
+from dart_train.engine import TrainSettings, cosine_with_warmup
 from dart_train.online_states import OnlineStateSource
-from dart_train.vocab import build_vocab_mapping
-
-VOCAB = 64
-
-
-@pytest.fixture(scope="module")
-def target() -> TargetModel:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )
-    return TargetModel(LlamaForCausalLM(cfg).eval())
-
-
-@pytest.fixture(scope="module")
-def dataset() -> TokenizedDataset:
-    gen = torch.Generator().manual_seed(1)
-    sequences = []
-    for i in range(12):
-        n = 12 + (i * 5) % 17
-        ids = torch.randint(0, VOCAB, (n,), generator=gen)
-        mask = torch.zeros(n, dtype=torch.bool)
-        mask[n // 3 :] = True
-        sequences.append({"input_ids": ids, "loss_mask": mask})
-    return TokenizedDataset(sequences)
-
-
-def make_head(target: TargetModel, dataset: TokenizedDataset, draft_length: int = 4) -> DartDraftModel:
-    torch.manual_seed(2)
-    cfg = DartDraftConfig.from_target_config(target.model.config, draft_length=draft_length, draft_vocab_size=48)
-    head = DartDraftModel(cfg)
-    head.set_target_embedding(target.embedding_weight)
-    head.set_vocab_mapping(build_vocab_mapping(dataset.sequences, VOCAB, 48))
-    return head
-
-
-def make_trainer(target, dataset, run_dir: Path, **overrides) -> DartTrainer:
-    settings = dict(
-        lr=3e-3, max_steps=6, grad_accum=2, warmup_steps=2, max_anchors=6, seed=3, log_every=1,
-        save_every=2, keep_last=2, progress=False,
-    )
-    settings.update(overrides)
-    loader = ResumableLoader(dataset, LengthBucketBatchSampler(dataset.lengths, batch_size=2, seed=5))
-    source = OnlineStateSource(target, topk=16, hidden_dtype=torch.float32)
-    return DartTrainer(make_head(target, dataset), source, loader, TrainSettings(**settings), run_dir)
-
-
-def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
 
 
 def test_cosine_with_warmup_shape() -> None:
@@ -77,8 +25,8 @@ def test_cosine_with_warmup_shape() -> None:
     assert all(a >= b for a, b in zip(values, values[1:], strict=False))
 
 
-def test_exact_resume_after_kill(target, dataset, tmp_path: Path) -> None:
-    full = make_trainer(target, dataset, tmp_path / "full")
+def test_exact_resume_after_kill(tiny_target, tiny_dataset, tmp_path: Path) -> None:
+    full = make_trainer(tiny_target, tiny_dataset, tmp_path / "full")
     full.train()
     reference = losses(tmp_path / "full")
     assert len(reference) == 6
@@ -86,7 +34,7 @@ def test_exact_resume_after_kill(target, dataset, tmp_path: Path) -> None:
     # Kill the run in the middle of step 6 (after the step-4 checkpoint and step 5's metrics line,
     # with one micro-batch of step 6 already consumed), then resume in a fresh trainer from disk.
     part_dir = tmp_path / "part"
-    first = make_trainer(target, dataset, part_dir)
+    first = make_trainer(tiny_target, tiny_dataset, part_dir)
     source, calls = first.state_source, []
 
     def dying_source(batch):
@@ -100,7 +48,7 @@ def test_exact_resume_after_kill(target, dataset, tmp_path: Path) -> None:
         first.train()
     assert first.latest_tag() == "step_00000004"
     assert len(losses(part_dir)) == 5
-    second = make_trainer(target, dataset, part_dir)
+    second = make_trainer(tiny_target, tiny_dataset, part_dir)
     assert second.resume()
     assert second.step == 4
     # Step 5 was logged after the checkpoint: moved aside (not lost), so no step appears twice.
@@ -125,9 +73,9 @@ def test_exact_resume_after_kill(target, dataset, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_resume_applies_changed_optimizer_settings(target, dataset, tmp_path: Path, caplog, stage: int) -> None:
-    make_trainer(target, dataset, tmp_path, max_steps=2, zero_stage=stage).train()  # checkpoint at 2, lr 3e-3
-    changed = make_trainer(target, dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
+def test_resume_applies_changed_optimizer_settings(tiny_target, tiny_dataset, tmp_path: Path, caplog, stage: int) -> None:
+    make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=2, zero_stage=stage).train()  # checkpoint at 2, lr 3e-3
+    changed = make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
                            eps=1e-6, warmup_steps=1, zero_stage=stage)
     with caplog.at_level("WARNING", logger="dart_train.engine"):
         assert changed.resume()
@@ -145,15 +93,15 @@ def test_resume_applies_changed_optimizer_settings(target, dataset, tmp_path: Pa
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["lr"] for r in rows[2:]] == pytest.approx([1e-3 * schedule(k) for k in range(3, 7)])
     # Unchanged settings: resuming gives back the checkpoint's own optimiser values.
-    again = make_trainer(target, dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
+    again = make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
                          eps=1e-6, warmup_steps=1, zero_stage=stage)
     assert again.resume() and again.step == 6
     assert again.engine.basic_optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * schedule(6))
 
 
-def test_resume_without_a_checkpoint_starts_the_metrics_again(target, dataset, tmp_path: Path) -> None:
+def test_resume_without_a_checkpoint_starts_the_metrics_again(tiny_target, tiny_dataset, tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "lo')  # killed at step 2
-    trainer = make_trainer(target, dataset, tmp_path, max_steps=2)
+    trainer = make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=2)
     assert not trainer.resume()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     (dropped,) = tmp_path.glob("metrics.dropped-00000000-*.jsonl")
@@ -162,27 +110,27 @@ def test_resume_without_a_checkpoint_starts_the_metrics_again(target, dataset, t
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
-def test_resume_refuses_settings_a_checkpoint_cannot_continue_with(target, dataset, tmp_path: Path) -> None:
+def test_resume_refuses_settings_a_checkpoint_cannot_continue_with(tiny_target, tiny_dataset, tmp_path: Path) -> None:
     from dart_train.engine import ResumeError
 
-    make_trainer(target, dataset, tmp_path, max_steps=2).train()
+    make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=2).train()
     with pytest.raises(ResumeError, match=r"resume with trainer.zero_stage=0"):
-        make_trainer(target, dataset, tmp_path, max_steps=4, zero_stage=2).resume()
+        make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=4, zero_stage=2).resume()
     with pytest.raises(ResumeError, match=r"trainer.grad_accum: the checkpoint has 2, this run 1"):
-        make_trainer(target, dataset, tmp_path, max_steps=4, grad_accum=1).resume()
-    assert make_trainer(target, dataset, tmp_path, max_steps=4).resume()  # as saved: fine
+        make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=4, grad_accum=1).resume()
+    assert make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=4).resume()  # as saved: fine
 
 
-def test_training_reduces_loss_and_export_has_author_keys(target, dataset, tmp_path: Path) -> None:
+def test_training_reduces_loss_and_export_has_author_keys(tiny_target, tiny_dataset, tmp_path: Path) -> None:
     trainer = make_trainer(
-        target, dataset, tmp_path, lr=1e-2, max_steps=40, grad_accum=1, save_every=None, max_anchors=None
+        tiny_target, tiny_dataset, tmp_path, lr=1e-2, max_steps=40, grad_accum=1, save_every=None, max_anchors=None
     )
     first_params = {k: v.clone() for k, v in trainer.draft_model.named_parameters()}
     trainer.train()
     curve = losses(tmp_path)
     assert sum(curve[-5:]) / 5 < 0.8 * sum(curve[:5]) / 5
     # Only the head's own parameters were trained; the target and its embedding are untouched.
-    assert all(not p.requires_grad for p in target.model.parameters())
+    assert all(not p.requires_grad for p in tiny_target.model.parameters())
     changed = [k for k, v in trainer.draft_model.named_parameters() if not torch.equal(v, first_params[k])]
     assert "fc.weight" in changed and "midlayer.mask_rep" in changed
     from safetensors import safe_open
@@ -199,10 +147,10 @@ def test_training_reduces_loss_and_export_has_author_keys(target, dataset, tmp_p
     assert load_draft_model(tmp_path / "head").config.draft_length == 4
 
 
-def test_best_checkpoint_follows_tau(target, dataset, tmp_path: Path) -> None:
+def test_best_checkpoint_follows_tau(tiny_target, tiny_dataset, tmp_path: Path) -> None:
     taus = iter([1.5, 2.5, 2.0])
     # Evaluations at steps 1-3, checkpoints only at 3: best/ does not depend on the checkpoint cadence.
-    trainer = make_trainer(target, dataset, tmp_path, max_steps=3, grad_accum=1, save_every=None, keep_last=1)
+    trainer = make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=3, grad_accum=1, save_every=None, keep_last=1)
     trainer.settings.eval_every = 1
     trainer.evaluator = lambda model: {"tau": next(taus)}
     trainer.train()
@@ -213,26 +161,26 @@ def test_best_checkpoint_follows_tau(target, dataset, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def stage0_head(target, dataset, tmp_path_factory) -> dict[str, torch.Tensor]:
+def stage0_head(tiny_target, tiny_dataset, tmp_path_factory) -> dict[str, torch.Tensor]:
     """The head after 3 steps of plain data-parallel training (ZeRO stage 0): the reference."""
     run = tmp_path_factory.mktemp("stage0")
-    make_trainer(target, dataset, run, max_steps=3, grad_accum=1).train()
+    make_trainer(tiny_target, tiny_dataset, run, max_steps=3, grad_accum=1).train()
     return DartDraftModel.from_pretrained(run / "head").state_dict()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_give_the_weights_of_stage_0(target, dataset, stage0_head, tmp_path: Path, stage: int) -> None:
+def test_zero_stages_give_the_weights_of_stage_0(tiny_target, tiny_dataset, stage0_head, tmp_path: Path, stage: int) -> None:
     from dart_train.evaluate import SimulatedTau
 
-    trainer = make_trainer(target, dataset, tmp_path, max_steps=3, grad_accum=1, zero_stage=stage)
+    trainer = make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=3, grad_accum=1, zero_stage=stage)
     # The evaluator runs outside the engine's forward: under ZeRO-3 it needs the gathered weights.
     trainer.evaluator = SimulatedTau(
-        TokenizedDataset(dataset.sequences[:2]), OnlineStateSource(target, topk=8, hidden_dtype=torch.float32),
+        TokenizedDataset(tiny_dataset.sequences[:2]), OnlineStateSource(tiny_target, topk=8, hidden_dtype=torch.float32),
         eos_token_id=2, tree={"draft_top_k": 4, "beam_width": 4, "remain_total": 8}, anchors_per_sequence=4,
     )
     trainer.train()
     assert json.loads((tmp_path / "best" / "best.json").read_text())["step"] == 3
-    initial = make_head(target, dataset).state_dict()
+    initial = make_head(tiny_target, tiny_dataset).state_dict()
     trained = DartDraftModel.from_pretrained(tmp_path / "head").state_dict()
     assert trained.keys() == stage0_head.keys()
     moved = 0
@@ -242,11 +190,11 @@ def test_zero_stages_give_the_weights_of_stage_0(target, dataset, stage0_head, t
     assert moved >= 5  # the reference did train (fc, mask_rep, norms, attention, lm_head ...)
 
 
-def test_zero3_bf16_trains_close_to_fp32(target, dataset, stage0_head, tmp_path: Path) -> None:
+def test_zero3_bf16_trains_close_to_fp32(tiny_target, tiny_dataset, stage0_head, tmp_path: Path) -> None:
     """bf16 weights (DeepSpeed's bf16 optimiser with fp32 master weights) under ZeRO-3: each weight's
     update follows stage 0's fp32 one up to bf16 rounding."""
-    make_trainer(target, dataset, tmp_path, max_steps=3, grad_accum=1, zero_stage=3, bf16=True).train()
-    initial = make_head(target, dataset).state_dict()
+    make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=3, grad_accum=1, zero_stage=3, bf16=True).train()
+    initial = make_head(tiny_target, tiny_dataset).state_dict()
     trained = DartDraftModel.from_pretrained(tmp_path / "head").state_dict()
     for key in ("fc.weight", "midlayer.mask_rep", "lm_head.weight"):
         fp32_update = stage0_head[key].float() - initial[key].float()
@@ -277,21 +225,21 @@ def test_accepted_length_on_a_hand_built_tree() -> None:
     assert accepted_length(tokens, retrieve, [4]) == 0
 
 
-def test_simulated_tau_matches_dart_generate_on_greedy_data(target) -> None:
+def test_simulated_tau_matches_dart_generate_on_greedy_data(tiny_target) -> None:
     """On target-greedy data, simulated acceptance per anchor == DartModel's acceptance at that step."""
     from dart_infer.generate import DartModel, TreeSearchSettings
     from dart_train.evaluate import SimulatedTau
 
     torch.manual_seed(11)
-    cfg = DartDraftConfig.from_target_config(target.model.config, draft_length=4, draft_vocab_size=VOCAB)
+    cfg = DartDraftConfig.from_target_config(tiny_target.model.config, draft_length=4, draft_vocab_size=ENGINE_VOCAB)
     head = DartDraftModel(cfg).eval()  # random head; the small vocab makes deep acceptances common
     tree = {"draft_top_k": 25, "beam_width": 20, "remain_total": 60}
-    dart = DartModel(target.model, head, tree=TreeSearchSettings(**tree))  # the same tree as simulated τ
+    dart = DartModel(tiny_target.model, head, tree=TreeSearchSettings(**tree))  # the same tree as simulated τ
     sequences, steps = [], []
     for i in range(4):
-        prompt = torch.randint(3, VOCAB, (6 + i,), generator=torch.Generator().manual_seed(20 + i))
+        prompt = torch.randint(3, ENGINE_VOCAB, (6 + i,), generator=torch.Generator().manual_seed(20 + i))
         out, stats = dart.dart_generate(prompt, max_new_token_num=40, return_stats=True)
-        ref = target.model.generate(prompt[None], max_new_tokens=40, do_sample=False, min_new_tokens=40)
+        ref = tiny_target.model.generate(prompt[None], max_new_tokens=40, do_sample=False, min_new_tokens=40)
         seq = out[0]
         if seq.numel() < ref.shape[1]:
             continue  # stopped at EOS: the plain-generate reference is longer
@@ -306,8 +254,8 @@ def test_simulated_tau_matches_dart_generate_on_greedy_data(target) -> None:
     assert len(sequences) >= 2
     dataset = TokenizedDataset(sequences)
     evaluator = SimulatedTau(
-        dataset, OnlineStateSource(target, topk=None, hidden_dtype=torch.float32),
-        eos_token_id=int(target.model.config.eos_token_id), tree=tree, anchors_per_sequence=10_000, batch_size=2,
+        dataset, OnlineStateSource(tiny_target, topk=None, hidden_dtype=torch.float32),
+        eos_token_id=int(tiny_target.model.config.eos_token_id), tree=tree, anchors_per_sequence=10_000, batch_size=2,
     )
     results, _ = evaluator.anchor_results(head)
     by_anchor = {(r[0], r[1]): r for r in results}
@@ -325,9 +273,9 @@ def test_simulated_tau_matches_dart_generate_on_greedy_data(target) -> None:
     assert summary["tau"] == summary["tau_data"] > 1.0
 
 
-def test_head_autocast_runs_the_forward_in_bf16_and_keeps_fp32_weights(target, dataset, tmp_path: Path) -> None:
-    plain = make_trainer(target, dataset, tmp_path / "fp32", max_steps=2)
-    mixed = make_trainer(target, dataset, tmp_path / "bf16", max_steps=2, autocast_dtype="bfloat16")
+def test_head_autocast_runs_the_forward_in_bf16_and_keeps_fp32_weights(tiny_target, tiny_dataset, tmp_path: Path) -> None:
+    plain = make_trainer(tiny_target, tiny_dataset, tmp_path / "fp32", max_steps=2)
+    mixed = make_trainer(tiny_target, tiny_dataset, tmp_path / "bf16", max_steps=2, autocast_dtype="bfloat16")
     assert mixed.ds_config["torch_autocast"]["enabled"] and not plain.ds_config["torch_autocast"]["enabled"]
     batch = next(iter(plain.loader))
     seen = []
@@ -342,7 +290,7 @@ def test_head_autocast_runs_the_forward_in_bf16_and_keeps_fp32_weights(target, d
         TrainSettings(bf16=True, autocast_dtype="bfloat16")
 
 
-def test_compiled_flex_attention_gives_the_dense_mask_logits(target, dataset) -> None:
+def test_compiled_flex_attention_gives_the_dense_mask_logits(tiny_target, tiny_dataset) -> None:
     """The kernel GPU training runs BlockMask attention through (the engine turns it on on CUDA):
     compiled flex_attention, here on CPU and forward only (its CPU backward does not exist), gives
     the logits of the exact dense mask."""
@@ -350,9 +298,9 @@ def test_compiled_flex_attention_gives_the_dense_mask_logits(target, dataset) ->
     from dart_train.batching import collate
     from dart_train.objective import build_layout, draft_forward
 
-    head = make_head(target, dataset).eval()
-    batch = collate([dataset[i] for i in range(3)])
-    states = OnlineStateSource(target, topk=16, hidden_dtype=torch.float32)(batch)
+    head = make_head(tiny_target, tiny_dataset).eval()
+    batch = collate([tiny_dataset[i] for i in range(3)])
+    states = OnlineStateSource(tiny_target, topk=16, hidden_dtype=torch.float32)(batch)
     layout = build_layout(batch["loss_mask"], head.config.draft_length)
     with torch.no_grad():
         dense = draft_forward(head, states["aux_hidden"], batch["input_ids"], layout, use_flex=False)
@@ -366,24 +314,24 @@ def test_compiled_flex_attention_gives_the_dense_mask_logits(target, dataset) ->
     torch.testing.assert_close(flex[valid], dense[valid], rtol=1e-4, atol=1e-4)
 
 
-def test_memory_estimate_matches_the_layout_of_the_largest_batch(target, dataset) -> None:
+def test_memory_estimate_matches_the_layout_of_the_largest_batch(tiny_target, tiny_dataset) -> None:
     from dart_train.batching import collate
     from dart_train.engine import estimate_step_memory
     from dart_train.objective import build_layout
 
-    head = make_head(target, dataset)
-    sampler = LengthBucketBatchSampler(dataset.lengths, batch_size=3, seed=5)
-    loss_tokens = [int(s["loss_mask"].sum()) for s in dataset.sequences]
-    estimate = estimate_step_memory(sampler.batches(0), dataset.lengths, loss_tokens, draft_config=head.config,
+    head = make_head(tiny_target, tiny_dataset)
+    sampler = LengthBucketBatchSampler(tiny_dataset.lengths, batch_size=3, seed=5)
+    loss_tokens = [int(s["loss_mask"].sum()) for s in tiny_dataset.sequences]
+    estimate = estimate_step_memory(sampler.batches(0), tiny_dataset.lengths, loss_tokens, draft_config=head.config,
                                     max_anchors=6, compiled_flex=False)
     # Recompute the largest batch's layout the way training builds it.
     def alone(batch):
-        return estimate_step_memory([batch], dataset.lengths, loss_tokens, draft_config=head.config, max_anchors=6,
+        return estimate_step_memory([batch], tiny_dataset.lengths, loss_tokens, draft_config=head.config, max_anchors=6,
                                     compiled_flex=False).total
 
     largest = max(sampler.batches(0), key=alone)
     assert len({alone(b) for b in sampler.batches(0)}) > 1  # the batches differ: picking the largest matters
-    batch = collate([dataset[i] for i in largest])
+    batch = collate([tiny_dataset[i] for i in largest])
     layout = build_layout(batch["loss_mask"], head.config.draft_length, max_anchors=6,
                           generator=torch.Generator().manual_seed(0))
     assert (estimate.rows, estimate.slots, estimate.anchors) == (len(largest), layout.num_slots, layout.num_anchors)

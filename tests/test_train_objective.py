@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama
+from transformers import LlamaForCausalLM
 
 from dart_infer.model import DartDraftConfig, DartDraftModel, DraftKVCache
 from dart_infer.target import TargetModel
@@ -20,21 +21,7 @@ from dart_train.objective import (
 
 VOCAB = 97
 DRAFT_VOCAB = 40
-
-
-def tiny_target(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(cfg).eval()
+TARGET = dict(vocab_size=VOCAB, max_position_embeddings=256, attn_implementation="sdpa")  # tiny_llama fields
 
 
 def tiny_head(target: LlamaForCausalLM, draft_length: int = 4, seed: int = 1) -> DartDraftModel:
@@ -114,7 +101,7 @@ def test_max_anchors_subsamples_deterministically() -> None:
 
 @pytest.mark.parametrize("draft_length", [1, 4, 8])
 def test_training_forward_equals_inference_for_every_anchor(draft_length: int) -> None:
-    target = tiny_target()
+    target = tiny_llama(**TARGET)
     head = tiny_head(target, draft_length=draft_length)
     states = TargetModel(target)
     torch.manual_seed(5)
@@ -147,7 +134,7 @@ def test_training_forward_equals_inference_for_every_anchor(draft_length: int) -
 
 def test_inference_equivalence_with_incremental_cache() -> None:
     """Inference that grows its cache in several steps gives the same rows as the training forward."""
-    target = tiny_target(seed=2)
+    target = tiny_llama(seed=2, **TARGET)
     head = tiny_head(target, draft_length=5, seed=4)
     states = TargetModel(target)
     input_ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(9))
@@ -165,7 +152,7 @@ def test_inference_equivalence_with_incremental_cache() -> None:
 
 
 def test_flex_block_mask_equals_dense_on_cpu() -> None:
-    target = tiny_target()
+    target = tiny_llama(**TARGET)
     head = tiny_head(target, draft_length=4)
     input_ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     loss_mask = torch.zeros(2, 40, dtype=torch.bool)

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train_cli import _compose, conversations_file, overrides, tiny_checkpoint  # noqa: F401 (fixtures)
-from test_train_engine import dataset, losses, make_trainer, target  # noqa: F401 (fixtures)
+from helpers import compose_train, losses, make_trainer, train_overrides
 
 from dart_infer.errors import InputError
 
@@ -47,10 +46,10 @@ def one_line_error(exc: pytest.ExceptionInfo) -> str:
 
 
 @pytest.fixture(scope="module")
-def finished_run(target, dataset, tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: F811
+def finished_run(tiny_target, tiny_dataset, tmp_path_factory) -> tuple[Path, list[float]]:
     """6 steps, a checkpoint every 2, the last 2 kept (step_4, step_6); and its losses: the reference."""
     run = tmp_path_factory.mktemp("reference") / "run"
-    make_trainer(target, dataset, run).train()
+    make_trainer(tiny_target, tiny_dataset, run).train()
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == [STEP_4, STEP_6]
     return run, losses(run)
 
@@ -70,10 +69,10 @@ def run_copy(finished_run, tmp_path) -> Path:
     (garble, "rank_state_00000.pt"),
 ])
 def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(
-    target, dataset, finished_run, run_copy, caplog, damage, file  # noqa: F811
+    tiny_target, tiny_dataset, finished_run, run_copy, caplog, damage, file
 ) -> None:
     damage(run_copy / "checkpoints" / STEP_6 / file)
-    trainer = make_trainer(target, dataset, run_copy)
+    trainer = make_trainer(tiny_target, tiny_dataset, run_copy)
     with caplog.at_level("WARNING"):
         assert trainer.resume()
     assert trainer.step == 4
@@ -90,24 +89,24 @@ def test_unreadable_newest_checkpoint_falls_back_to_the_one_before(
     assert sorted(p.name for p in checkpoints.glob("step_*")) == [STEP_4, STEP_6]
 
 
-def test_stale_latest_falls_back_to_the_newest_checkpoint_on_disk(target, dataset, run_copy, caplog) -> None:  # noqa: F811
+def test_stale_latest_falls_back_to_the_newest_checkpoint_on_disk(tiny_target, tiny_dataset, run_copy, caplog) -> None:
     checkpoints = run_copy / "checkpoints"
     shutil.rmtree(checkpoints / STEP_6)  # latest still names it (deleted by hand)
     with caplog.at_level("WARNING"):
-        trainer = make_trainer(target, dataset, run_copy)
+        trainer = make_trainer(tiny_target, tiny_dataset, run_copy)
         assert trainer.resume() and trainer.step == 4
     assert "stale" in caplog.text and STEP_6 in caplog.text
     (checkpoints / "latest").write_text("step_00000099")  # a tag that never existed
-    assert make_trainer(target, dataset, run_copy).resume()
+    assert make_trainer(tiny_target, tiny_dataset, run_copy).resume()
 
 
-def test_no_intact_checkpoint_is_an_input_error_that_changes_nothing(target, dataset, run_copy) -> None:  # noqa: F811
+def test_no_intact_checkpoint_is_an_input_error_that_changes_nothing(tiny_target, tiny_dataset, run_copy) -> None:
     checkpoints = run_copy / "checkpoints"
     truncate(checkpoints / STEP_6 / "mp_rank_00_model_states.pt")
     garble(checkpoints / STEP_4 / "rank_state_00000.pt")
     before = files_of(run_copy)
     with pytest.raises(InputError) as exc:
-        make_trainer(target, dataset, run_copy).resume()
+        make_trainer(tiny_target, tiny_dataset, run_copy).resume()
     text = one_line_error(exc)
     assert f"{checkpoints} holds no intact checkpoint" in text
     assert STEP_6 in text and STEP_4 in text and f"Move {checkpoints} away" in text and "another output_dir" in text
@@ -117,28 +116,28 @@ def test_no_intact_checkpoint_is_an_input_error_that_changes_nothing(target, dat
     shutil.rmtree(checkpoints / STEP_6)
     before = files_of(run_copy)
     with pytest.raises(InputError, match="holds no checkpoint folder"):
-        make_trainer(target, dataset, run_copy).resume()
+        make_trainer(tiny_target, tiny_dataset, run_copy).resume()
     assert files_of(run_copy) == before
 
 
-def test_a_first_save_that_never_finished_starts_the_run_again(target, dataset, tmp_path, caplog) -> None:  # noqa: F811
+def test_a_first_save_that_never_finished_starts_the_run_again(tiny_target, tiny_dataset, tmp_path, caplog) -> None:
     run = tmp_path / "run"
-    make_trainer(target, dataset, run, max_steps=2).train()  # step_2
+    make_trainer(tiny_target, tiny_dataset, run, max_steps=2).train()  # step_2
     checkpoints = run / "checkpoints"
     (checkpoints / "latest").unlink()  # killed inside the first save: DeepSpeed writes latest last
     truncate(checkpoints / "step_00000002" / "mp_rank_00_model_states.pt")
     with caplog.at_level("WARNING"):
-        assert not make_trainer(target, dataset, run, max_steps=2).resume()
+        assert not make_trainer(tiny_target, tiny_dataset, run, max_steps=2).resume()
     assert "never finished" in caplog.text
     assert not (checkpoints / "step_00000002").exists() and list(checkpoints.glob("aside-step_00000002-*"))
 
 
 @pytest.mark.parametrize("sig, save_every", [(signal.SIGINT, None), (signal.SIGTERM, 3)])
 def test_signal_stops_at_a_step_with_a_checkpoint_that_resumes_exactly(
-    target, dataset, finished_run, tmp_path, caplog, sig, save_every  # noqa: F811
+    tiny_target, tiny_dataset, finished_run, tmp_path, caplog, sig, save_every
 ) -> None:
     run = tmp_path / "run"
-    trainer = make_trainer(target, dataset, run, save_every=save_every)
+    trainer = make_trainer(tiny_target, tiny_dataset, run, save_every=save_every)
     source, calls, saves = trainer.state_source, [], []
 
     def signalling_source(batch):
@@ -160,14 +159,14 @@ def test_signal_stops_at_a_step_with_a_checkpoint_that_resumes_exactly(
     assert (run / "checkpoints" / "latest").read_text() == "step_00000003"
     assert f"output_dir={run} resume=true" in caplog.text
     assert ("checkpoint saved to" if save_every is None else "nothing to save") in caplog.text
-    resumed = make_trainer(target, dataset, run, save_every=save_every)
+    resumed = make_trainer(tiny_target, tiny_dataset, run, save_every=save_every)
     assert resumed.resume() and resumed.step == 3
     resumed.train()
     assert losses(run) == finished_run[1]
 
 
-def test_a_second_signal_stops_at_once_without_a_checkpoint(target, dataset, tmp_path) -> None:  # noqa: F811
-    trainer = make_trainer(target, dataset, tmp_path, save_every=None)
+def test_a_second_signal_stops_at_once_without_a_checkpoint(tiny_target, tiny_dataset, tmp_path) -> None:
+    trainer = make_trainer(tiny_target, tiny_dataset, tmp_path, save_every=None)
     source, calls = trainer.state_source, []
 
     def signalling_source(batch):
@@ -187,7 +186,7 @@ def test_a_second_signal_stops_at_once_without_a_checkpoint(target, dataset, tmp
 
 
 def test_run_dir_modes(tmp_path: Path) -> None:
-    from dart_train.cli import RunDirError, prepare_run_dir
+    from dart_train.run_dir import RunDirError, prepare_run_dir
 
     typo = tmp_path / "runs" / "my-haed"
     with pytest.raises(RunDirError) as exc:
@@ -216,19 +215,19 @@ def test_resume_true_without_a_run_is_refused_before_the_model_loads(tmp_path: P
 
     out = tmp_path / "mistyped"
     # No such model or data: loading either would fail differently.
-    cfg = _compose(*overrides(tmp_path / "no-model", tmp_path / "no-data.jsonl", out), "resume=true")
+    cfg = compose_train(*train_overrides(tmp_path / "no-model", tmp_path / "no-data.jsonl", out), "resume=true")
     with pytest.raises(InputError, match=f"resume=true: {out} holds no run to resume"):
         train(cfg)
     assert not out.exists()
 
 
 @pytest.fixture(scope="module")
-def cli_run(tiny_checkpoint, conversations_file, tmp_path_factory) -> Path:  # noqa: F811
+def cli_run(tiny_checkpoint, conversations_file, tmp_path_factory) -> Path:
     """A 3-step dart-train run started with resume=auto on a new directory (checkpoints 2 and 3)."""
     from dart_train.cli import train
 
     out = tmp_path_factory.mktemp("cli") / "run"
-    summary = train(_compose(*overrides(tiny_checkpoint, conversations_file, out), "train_eval.enabled=false",
+    summary = train(compose_train(*train_overrides(tiny_checkpoint, conversations_file, out), "train_eval.enabled=false",
                              "resume=auto"))
     assert summary["steps"] == 3 and (out / "checkpoints" / "latest").read_text() == "step_00000003"
     return out
@@ -241,10 +240,10 @@ def _cli_copy(cli_run: Path, tmp_path: Path) -> Path:
 
 
 def _cfg(checkpoint: Path, data: Path, out: Path, *extra: str):
-    return _compose(*overrides(checkpoint, data, out), "train_eval.enabled=false", *extra)
+    return compose_train(*train_overrides(checkpoint, data, out), "train_eval.enabled=false", *extra)
 
 
-def test_resume_auto_continues_an_existing_run(cli_run, tiny_checkpoint, conversations_file, tmp_path) -> None:  # noqa: F811
+def test_resume_auto_continues_an_existing_run(cli_run, tiny_checkpoint, conversations_file, tmp_path) -> None:
     from dart_train.cli import train
 
     run = _cli_copy(cli_run, tmp_path)
@@ -255,7 +254,7 @@ def test_resume_auto_continues_an_existing_run(cli_run, tiny_checkpoint, convers
 
 
 def test_refused_resumes_change_no_file_of_the_run(
-    cli_run, tiny_checkpoint, conversations_file, tmp_path, monkeypatch  # noqa: F811
+    cli_run, tiny_checkpoint, conversations_file, tmp_path, monkeypatch
 ) -> None:
     from deepspeed import DeepSpeedEngine
 
@@ -290,7 +289,7 @@ def test_refused_resumes_change_no_file_of_the_run(
 
 
 def test_ctrl_c_in_dart_train_saves_and_the_run_continues(
-    cli_run, tiny_checkpoint, conversations_file, tmp_path, monkeypatch, caplog  # noqa: F811
+    cli_run, tiny_checkpoint, conversations_file, tmp_path, monkeypatch, caplog
 ) -> None:
     from dart_train.cli import train
     from dart_train.engine import DartTrainer
@@ -316,12 +315,12 @@ def test_ctrl_c_in_dart_train_saves_and_the_run_continues(
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-def test_ctrl_c_on_the_command_saves_a_checkpoint_and_exits_130(tiny_checkpoint, conversations_file, tmp_path) -> None:  # noqa: F811
+def test_ctrl_c_on_the_command_saves_a_checkpoint_and_exits_130(tiny_checkpoint, conversations_file, tmp_path) -> None:
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items()
            if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}}
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    args = overrides(tiny_checkpoint, conversations_file, out, "train_eval.enabled=false", "trainer.max_steps=100000",
+    args = train_overrides(tiny_checkpoint, conversations_file, out, "train_eval.enabled=false", "trainer.max_steps=100000",
                      "trainer.save_every=100000")
     process = subprocess.Popen(
         [sys.executable, "-c", "from dart_train.cli import main; main()", *args, f"hydra.run.dir={tmp_path / 'hydra'}"],

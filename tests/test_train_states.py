@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama
 
 from dart_infer.target import TargetModel
 from dart_train.batching import LengthBucketBatchSampler, ResumableLoader, collate
@@ -21,12 +21,7 @@ VOCAB, HIDDEN, TOPK = 97, 32, 8
 
 @pytest.fixture(scope="module")
 def target() -> TargetModel:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )
-    return TargetModel(LlamaForCausalLM(config).eval())
+    return TargetModel(tiny_llama(0, vocab_size=VOCAB, hidden_size=HIDDEN, max_position_embeddings=256))
 
 
 @pytest.fixture(scope="module")
