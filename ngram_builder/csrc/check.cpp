@@ -25,22 +25,6 @@ constexpr unsigned kMaxThreads = 8;
 
 std::string at(int k, uint64_t i) { return ", at level-" + std::to_string(k) + " node " + std::to_string(i); }
 
-// Position of the first escape-table entry of a node >= `node`. On a corrupt (unsorted) table any
-// position: the chunks' contiguity check in check_level then refuses it.
-uint64_t first_escape(const LevelView& L, uint64_t node) {
-  uint64_t lo = 0, hi = L.n_esc;
-  while (lo < hi) {
-    const uint64_t mid = lo + (hi - lo) / 2;
-    uint64_t x;
-    std::memcpy(&x, L.esc_idx + mid, 8);
-    if (x < node)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 // The counts of one level in node order from node `first` on, escapes resolved by a cursor (the
 // escape table is sorted by node, so a sequential reader needs no binary search) and checked.
 class CountCursor {

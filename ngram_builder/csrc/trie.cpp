@@ -342,16 +342,7 @@ uint64_t TrieView::count_checked(int k, uint64_t i, bool& ok) const {
   const LevelView& L = lv_[k];
   uint64_t v = read_uint(L.counts, L.count_bytes, i);
   if (L.count_bytes == 8 || v != sentinel(L.count_bytes)) return v;
-  uint64_t lo = 0, hi = L.n_esc;
-  while (lo < hi) {
-    uint64_t mid = (lo + hi) / 2;
-    uint64_t x;
-    std::memcpy(&x, L.esc_idx + mid, 8);
-    if (x < i)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
+  const uint64_t lo = first_escape(L, i);
   uint64_t x = 0;
   if (lo < L.n_esc) std::memcpy(&x, L.esc_idx + lo, 8);
   if (lo >= L.n_esc || x != i) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,6 +70,22 @@ struct LevelView {
   const uint8_t* child = nullptr;  // n + 1 entries (levels < order)
   uint32_t child_bytes = 4;
 };
+
+// Position of the first escape-table entry of a node >= `node` (binary search: the table is sorted
+// by node). On a corrupt (unsorted) table any position: the structural check refuses such a table.
+inline uint64_t first_escape(const LevelView& L, uint64_t node) {
+  uint64_t lo = 0, hi = L.n_esc;
+  while (lo < hi) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    uint64_t x;
+    std::memcpy(&x, L.esc_idx + mid, 8);
+    if (x < node)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
 
 // How much of an image a TrieView checks when it is made. Header, section table, child-offset
 // ends and level-1 tokens are always checked (O(vocabulary)).
