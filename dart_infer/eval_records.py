@@ -22,6 +22,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from dart_infer.cli.checks import flatten_dotted
 from dart_infer.errors import InputError
 from dart_infer.evaluate import Record, Unit
 
@@ -37,15 +38,6 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
-
-
 def _short(value: Any, limit: int = 60) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -53,7 +45,7 @@ def _short(value: Any, limit: int = 60) -> str:
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """`key: <saved> there, <current> here` for every setting that differs (nested keys dotted)."""
-    there, here = _flatten(saved), _flatten(current)
+    there, here = flatten_dotted(saved), flatten_dotted(current)
     keys = [k for k in dict.fromkeys([*here, *there]) if there.get(k, "<unset>") != here.get(k, "<unset>")]
     return [f"{k}: {_short(there.get(k, '<unset>'))} there, {_short(here.get(k, '<unset>'))} here" for k in keys]
 

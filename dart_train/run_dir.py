@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from dart_infer.cli.checks import flatten_dotted
 from dart_infer.errors import InputError
 
 __all__ = ["RUN_MARKERS", "RunDirError", "prepare_run_dir", "resume_mode", "resumed_config", "save_config"]
@@ -83,15 +84,6 @@ def save_config(run_dir: Path, cfg: DictConfig) -> None:
 _ALWAYS_NEW = ("resume", "output_dir")
 
 
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: node}
-
-
 def resumed_config(
     cfg: DictConfig, saved: DictConfig, explicit: list[str] | None
 ) -> tuple[DictConfig, list[str]]:
@@ -102,8 +94,8 @@ def resumed_config(
     keys like `trainer.max_steps`, or a group like `trainer`) are the deliberate changes and win.
     `explicit=None` (a Python caller passing a whole cfg): every key of `cfg` wins.
     """
-    new = _leaves(OmegaConf.to_container(cfg, resolve=True))
-    old = _leaves(OmegaConf.to_container(saved, resolve=True))
+    new = flatten_dotted(OmegaConf.to_container(cfg, resolve=True))
+    old = flatten_dotted(OmegaConf.to_container(saved, resolve=True))
     merged = copy.deepcopy(cfg)
     changes: list[str] = []
     for key, value in new.items():

@@ -96,6 +96,16 @@ def _parents(key: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
+def flatten_dotted(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A plain nested mapping (a config as a container, saved settings) as {dotted key: leaf}."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flatten_dotted(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
 def _kind(expected: Any) -> str:
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "a mapping"}.get(expected, "a single value")
