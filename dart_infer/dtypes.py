@@ -9,7 +9,7 @@ from torch import nn
 
 __all__ = ["as_dtype", "cast_parameters", "native_bf16"]
 
-_DTYPE_NAMES = {
+DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -22,9 +22,9 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
         resolved = dtype
     else:
         name = str(dtype).removeprefix("torch.").lower()
-        if name not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}")
-        resolved = _DTYPE_NAMES[name]
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)}")
+        resolved = DTYPE_NAMES[name]
     if not resolved.is_floating_point:
         raise ValueError(f"a model dtype must be floating point, got {resolved}")
     return resolved

@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from dart_infer.dtypes import DTYPE_NAMES
 from dart_infer.errors import InputError
 
 # Keys whose default is null (or that also take null), with the type of a non-null value.
@@ -46,8 +47,7 @@ AT_LEAST_ONE = frozenset({
 })
 UNIT_INTERVAL = frozenset({"top_p", "warmup_ratio", "min_lr_ratio", "context_ngram_weight"})
 POSITIVE = frozenset({"lr", "eps"})
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "float", "half")
-CHOICES: dict[str, tuple[str, ...]] = {"model.dtype": DTYPE_NAMES, "serve_dtype": ("auto", *DTYPE_NAMES)}
+CHOICES: dict[str, tuple[str, ...]] = {"model.dtype": tuple(DTYPE_NAMES), "serve_dtype": ("auto", *DTYPE_NAMES)}
 # Switches that also take a word: `resume=auto`.
 BOOL_OR: dict[str, tuple[str, ...]] = {"resume": ("auto",)}
 # Keys naming a model or a head: an embedded name, a local directory or a Hub id.
