@@ -57,10 +57,15 @@ def ngram_config(cfg: DictConfig) -> DictConfig:
     return _compose("ngram", cfg, list(cfg.ngram_overrides))
 
 
+def trie_file(ngram_cfg: DictConfig) -> Path:
+    """The trie the ngram stage writes (and reuses when it exists)."""
+    return Path(ngram_cfg.out_dir) / "full.ngt"
+
+
 def build_trie(ngram_cfg: DictConfig) -> Path:
     from dart_infer.cli.ngram import run_build
 
-    trie = Path(ngram_cfg.out_dir) / "full.ngt"
+    trie = trie_file(ngram_cfg)
     if trie.exists():
         print(f"[demo 1/3] reusing the trie {trie} (delete it to rebuild)", flush=True)
         return trie
@@ -119,7 +124,7 @@ def main(cfg: DictConfig) -> None:
     # Every stage's config is composed and checked before the first stage starts (the eval stage's
     # with the shipped head standing in for the one still to be trained).
     ngram_cfg = None if cfg.ngram_model else ngram_config(cfg)
-    trie = Path(cfg.ngram_model) if cfg.ngram_model else Path(ngram_cfg.out_dir) / "full.ngt"
+    trie = Path(cfg.ngram_model) if cfg.ngram_model else trie_file(ngram_cfg)
     train_cfg = train_config(cfg, trie) if int(cfg.train_steps) > 0 else None
     eval_config(cfg, cfg.draft_model or next(iter(EMBEDDED_HEADS)), trie)
     if ngram_cfg is not None:
