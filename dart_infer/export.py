@@ -1,4 +1,5 @@
-"""Write a trained head for a serving engine: vLLM (speculators format) or SGLang (SpecForge layout).
+"""Write a trained head for a serving engine: DART heads for vLLM through our plugin
+(`dart_infer.vllm_plugin`); EAGLE-3 heads for vLLM (speculators format) or SGLang (SpecForge layout).
 
 `dart-export <head> --out <dir> [--format vllm|sglang]` (`dart_infer.cli.export`) over `export_head`.
 Every export directory holds the head's `config.json` + `model.safetensors` in the engine's layout and
@@ -7,7 +8,7 @@ Every export directory holds the head's `config.json` + `model.safetensors` in t
 takes JSON text, not a file name; or
 `LLM(model=<target>, speculative_config=json.load(...))`) with `model` = the export's absolute path.
 
-EAGLE-3 heads (`dart-train draft=eagle3`, layout in `dart_infer.eagle3`). What the engines read,
+EAGLE-3 heads (`dart-train draft=eagle3`, layout in `dart_infer.methods.eagle3`). What the engines read,
 checked against vLLM 0.32's own loader (`transformers_utils/configs/speculators/`,
 `model_executor/models/llama_eagle3.py`, `v1/worker/gpu_model_runner.py`) and SGLang's
 (`srt/models/llama_eagle3.py`, `set_eagle3_layers_to_capture`); facts only, no code copied:
@@ -29,7 +30,15 @@ checked against vLLM 0.32's own loader (`transformers_utils/configs/speculators/
   keeps vLLM's meaning: vLLM reads it before `eagle_config`, SGLang reads `eagle_config` first, so
   the same directory serves correctly in both.
 
-DART heads have no engine support yet (a vLLM plugin is open work): refused in one line.
+DART heads (`--format vllm` only): the layout `dart_infer.vllm_plugin` loads. config.json is a
+one-layer Llama config with `architectures: [DartDraftModelEagle3]` (the plugin's registered name),
+`draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (our `aux_layer_ids`,
+ascending: vLLM concatenates the captured layers in layer order, so fc's column blocks follow),
+`norm_before_residual: false`, `mask_token_id` = vocab_size (the plugin finds vLLM's mask slots by
+that id, which no real token has), `dart_draft_rows` (d) and `dart_double_final_norm`. Weights: ours
+with `midlayer.` renamed `layers.0.` (so `layers.0.mask_rep`), d2t kept when the draft vocabulary is
+smaller, plus `mask_hidden` (zeros, 3·H_target: vLLM's parallel drafting requires the tensor; DART
+does not use it). `vllm_speculative_config.json` adds `"parallel_drafting": true`; k defaults to d.
 """
 
 from __future__ import annotations
@@ -80,9 +89,14 @@ def head_kind(config: dict[str, Any]) -> str:
     return "unknown"
 
 
-def speculative_config(out_dir: Path, num_speculative_tokens: int) -> dict[str, Any]:
-    """The dict vLLM takes as `speculative_config` for an exported EAGLE-3 head."""
-    return {"model": str(out_dir.resolve()), "method": EAGLE3_METHOD, "num_speculative_tokens": num_speculative_tokens}
+def speculative_config(out_dir: Path, num_speculative_tokens: int, parallel_drafting: bool = False) -> dict[str, Any]:
+    """The dict vLLM takes as `speculative_config` for an exported head (DART: `parallel_drafting`,
+    all k tokens from one forward; vLLM runs it on its EAGLE-3 path)."""
+    spec: dict[str, Any] = {"model": str(out_dir.resolve()), "method": EAGLE3_METHOD,
+                            "num_speculative_tokens": num_speculative_tokens}
+    if parallel_drafting:
+        spec["parallel_drafting"] = True
+    return spec
 
 
 def _resolve_head(head: str) -> Path:
@@ -138,7 +152,7 @@ def _target_architectures(verifier: str) -> list[str]:
 def _load_eagle3(head_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(config with every field explicit, state dict) of the head, checked by loading it (missing or
     mis-shaped tensors are refused here, not by the engine)."""
-    from dart_infer.eagle3 import load_eagle3_model
+    from dart_infer.methods.eagle3 import load_eagle3_model
 
     try:
         model = load_eagle3_model(str(head_dir))
@@ -198,6 +212,76 @@ def _sglang_files(config: dict[str, Any], state: dict[str, Any], verifier: str) 
     return out_config, tensors
 
 
+# Keys of a DART head's config that the exported Llama layer config does not carry (they are renamed or
+# replaced below; the file's `draft_length` counts masks, the authors' meaning).
+_DART_ONLY = ("draft_length", "aux_layer_ids", "double_final_norm", "architectures", "transformers_version",
+              "base_model", "_name_or_path", "dtype", "torch_dtype")
+
+
+def _target_num_layers(verifier: str) -> int | None:
+    config = Path(verifier) / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    data = data.get("text_config") or data
+    return data.get("num_hidden_layers")
+
+
+def _dart_vllm_files(head_dir: Path, verifier: str, tokens: int | None) -> tuple[dict, dict, int]:
+    """(config.json, tensors, k) of a DART head for `dart_infer.vllm_plugin` (module docstring)."""
+    import torch
+
+    from dart_infer.loading import load_draft_model
+    from dart_infer.model import CHECKPOINT_KEYS
+    from dart_infer.target import aux_layer_ids as default_aux_layer_ids
+    from dart_infer.vllm_plugin import ARCHITECTURE
+
+    try:
+        model = load_draft_model(str(head_dir))
+    except (ValueError, FileNotFoundError) as err:
+        raise InputError(f"head={head_dir}: {err}") from err
+    config = model.config
+    rows = int(config.draft_length)  # d: the last prefix position + d - 1 masks
+    if tokens is not None and not 1 <= tokens <= rows:
+        raise InputError(f"--num-speculative-tokens {tokens}: a DART head drafts at most its {rows} rows "
+                         f"(draft_length) in one forward; choose 1..{rows}")
+    ids = config.aux_layer_ids
+    if ids is None:
+        layers = _target_num_layers(verifier)
+        if layers is None:
+            raise InputError(f"head={head_dir}: no aux_layer_ids in its config and no readable config.json at "
+                             f"the target {verifier} to derive them from; pass --target <local model dir>")
+        ids = default_aux_layer_ids(int(layers))
+    ids = [int(i) for i in ids]
+    if len(set(ids)) != len(ids):
+        raise InputError(f"head={head_dir}: its aux layer ids {ids} repeat a layer, which vLLM captures only once "
+                         "(fc would get fewer than 3 states); a target with 7 or more layers avoids it")
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in CHECKPOINT_KEYS}
+    # vLLM concatenates the captured layers in layer order: fc's column blocks must follow it.
+    order = sorted(range(len(ids)), key=lambda i: ids[i])
+    width = int(config.target_hidden_size)
+    state["fc.weight"] = torch.cat([state["fc.weight"][:, i * width:(i + 1) * width] for i in order], dim=1)
+    ids = [ids[i] for i in order]
+    dtype = state["fc.weight"].dtype
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+    if config.draft_vocab_size == config.vocab_size:
+        if bool(tensors["d2t"].any()):  # vLLM has no mapping for a full draft vocabulary
+            raise InputError(f"head={head_dir}: its draft vocabulary is the full vocabulary but reordered (d2t "
+                             "is not zero), which vLLM cannot map")
+        del tensors["d2t"]
+    tensors["mask_hidden"] = torch.zeros(3 * width, dtype=dtype)
+    out_config = {k: v for k, v in config.to_diff_dict().items() if k not in _DART_ONLY}
+    out_config.update(
+        architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
+        draft_vocab_size=int(config.draft_vocab_size), target_hidden_size=width,
+        eagle_aux_hidden_state_layer_ids=ids, norm_before_residual=False,
+        mask_token_id=int(config.vocab_size), dart_draft_rows=rows,
+        dart_double_final_norm=bool(config.double_final_norm), base_model=verifier,
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    return out_config, tensors, tokens or rows
+
+
 def export_head(
     head: str,
     out: str | Path,
@@ -207,10 +291,6 @@ def export_head(
     num_speculative_tokens: int | None = None,
 ) -> ExportResult:
     """Write `head` (a directory or embedded head name) for `fmt` into the new directory `out`."""
-    from safetensors.torch import save_file
-
-    from dart_infer.files import atomic_directory
-
     if fmt not in FORMATS:
         raise InputError(f"--format {fmt}: unknown; one of {', '.join(FORMATS)}")
     if num_speculative_tokens is not None and num_speculative_tokens < 1:
@@ -220,14 +300,26 @@ def export_head(
     head_dir = _resolve_head(head)
     raw = json.loads((head_dir / "config.json").read_text())
     kind = head_kind(raw)
-    if kind == "dart":
-        raise InputError(f"head={head}: a DART head; --format {fmt} cannot take it yet: serving DART in "
-                         f"{'vLLM' if fmt == 'vllm' else 'SGLang'} needs a DART plugin, which does not exist yet "
-                         "(EAGLE-3 heads, dart-train draft=eagle3, export today)")
-    if kind != "eagle3":
-        raise InputError(f"head={head}: {head_dir / 'config.json'} is not an EAGLE-3 head we can read "
-                         "(architectures must be LlamaForCausalLMEagle3)")
+    if kind == "dart" and fmt != "vllm":
+        raise InputError(f"head={head}: a DART head; --format {fmt} cannot take it: DART serves in vLLM only "
+                         "(its plugin, dart_infer.vllm_plugin); use --format vllm")
+    if kind not in ("eagle3", "dart"):
+        raise InputError(f"head={head}: {head_dir / 'config.json'} is not a DART or EAGLE-3 head we can read "
+                         "(architectures must be DartDraftModel or LlamaForCausalLMEagle3)")
     verifier = _verifier(head_dir, raw, target)  # before the slow part: a missing target fails first
+    if kind == "dart":
+        out_config, tensors, tokens = _dart_vllm_files(head_dir, verifier, num_speculative_tokens)
+        spec = speculative_config(out_dir, tokens, parallel_drafting=True)
+    else:
+        out_config, tensors, spec = _eagle3_files(head, head_dir, out_dir, fmt, verifier, num_speculative_tokens)
+    _write(out_dir, out_config, tensors, spec)
+    log.info("exported %s head %s (%s) to %s", kind, head_dir, fmt, out_dir)
+    return ExportResult(out_dir, fmt, kind, spec, verifier)
+
+
+def _eagle3_files(head: str, head_dir: Path, out_dir: Path, fmt: str, verifier: str,
+                  num_speculative_tokens: int | None) -> tuple[dict, dict, dict]:
+    """(config.json, tensors, speculative config) of an EAGLE-3 head in `fmt`."""
     config, state = _load_eagle3(head_dir)
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and len(set(ids)) != len(ids):
@@ -240,7 +332,15 @@ def export_head(
         out_config, tensors = _vllm_files(config, state, tokens, verifier)
     else:
         out_config, tensors = _sglang_files(config, state, verifier)
-    spec = speculative_config(out_dir, tokens)
+    return out_config, tensors, speculative_config(out_dir, tokens)
+
+
+def _write(out_dir: Path, out_config: dict[str, Any], tensors: dict[str, Any], spec: dict[str, Any]) -> None:
+    """Write the export directory atomically (all files or none)."""
+    from safetensors.torch import save_file
+
+    from dart_infer.files import atomic_directory
+
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(out_dir) as staging:
         (staging / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
@@ -251,5 +351,3 @@ def export_head(
         staging.chmod(0o755)
         for path in staging.iterdir():
             path.chmod(0o644)
-    log.info("exported %s head %s (%s) to %s", kind, head_dir, fmt, out_dir)
-    return ExportResult(out_dir, fmt, kind, spec, verifier)

@@ -1,6 +1,7 @@
 """`dart-export`: EAGLE-3 heads written for vLLM (speculators format) and SGLang, the fields those
 engines read, one-line refusals, and vLLM itself serving an export losslessly (`vllm` marker: runs in
-.venv-vllm, made by `make vllm`; fails, never skips, when it is missing)."""
+.venv-vllm, made by `make vllm`; fails, never skips, when it is missing). DART heads in vLLM (the
+plugin): tests/test_vllm_plugin.py, which reuses this module's tiny target."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dart_infer.cli.export import main as export_main
-from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, Eagle3Model, load_eagle3_model
 from dart_infer.export import SPEC_CONFIG_FILE, export_head
+from dart_infer.generate import DartModel
+from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, load_eagle3_model
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
@@ -199,8 +201,9 @@ def test_bad_input_is_refused_in_one_line(fitted, tmp_path: Path, capsys) -> Non
     assert "no such directory" in refusal(capsys, [str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
     assert "did you mean dart-smollm2-135m-instruct" in refusal(
         capsys, ["dart-smollm2-135m-instruc", "--out", str(tmp_path / "o")])
-    line = refusal(capsys, ["dart-smollm2-135m-instruct", "--out", str(tmp_path / "o")])
-    assert "a DART head" in line and "plugin" in line
+    # DART heads export for vLLM (tests/test_vllm_plugin.py); SGLang has no DART support.
+    line = refusal(capsys, ["dart-smollm2-135m-instruct", "--out", str(tmp_path / "o"), "--format", "sglang"])
+    assert "a DART head" in line and "vLLM only" in line
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
     assert "not empty" in refusal(capsys, [str(head_dir), "--out", str(tmp_path / "full")])
@@ -213,11 +216,11 @@ def test_bad_input_is_refused_in_one_line(fitted, tmp_path: Path, capsys) -> Non
 def our_acceptance(base, head_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[int], int]:
     """Our EAGLE-3 decoding in chain mode (vLLM drafts a chain): outputs, accepted draft tokens per
     position, verification steps."""
-    model = Eagle3Model(base, load_eagle3_model(str(head_dir)),
-                        tree={"top_k": 1, "depth": SPEC_TOKENS, "total_tokens": SPEC_TOKENS})
+    model = DartModel(base, load_eagle3_model(str(head_dir)),
+                      tree={"top_k": 1, "depth": SPEC_TOKENS, "total_tokens": SPEC_TOKENS})
     outputs, per_position, steps = [], [0] * SPEC_TOKENS, 0
     for prompt in prompts:
-        out, stats = model.eagle3_generate(torch.tensor([prompt]), max_new_token_num=MAX_NEW, return_stats=True)
+        out, stats = model.dart_generate(torch.tensor([prompt]), max_new_token_num=MAX_NEW, return_stats=True)
         outputs.append(out[0, len(prompt):].tolist())
         steps += len(stats.accept_lengths)
         for accepted in stats.accept_lengths:

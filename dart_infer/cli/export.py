@@ -1,11 +1,12 @@
 """`dart-export`: write a trained head for a serving engine (vLLM or SGLang); `dart_infer.export` does the work.
 
-    dart-export runs/my-eagle3/head --out exports/my-eagle3            # vLLM (speculators format)
+    dart-export runs/my-head/head --out exports/my-head                # DART: vLLM through our plugin
+    dart-export runs/my-eagle3/head --out exports/my-eagle3            # EAGLE-3: vLLM (speculators format)
     dart-export runs/my-eagle3/head --out exports/my-eagle3-sgl --format sglang
-    vllm serve <target> --speculative-config "$(cat exports/my-eagle3/vllm_speculative_config.json)"
+    vllm serve <target> --speculative-config "$(cat exports/my-head/vllm_speculative_config.json)"
 
-Bad input (unknown head, a DART head, an existing non-empty --out, a bad option) is one line on
-stderr and exit code 2, as for every dart-* command (`dart_infer.errors`).
+Bad input (unknown head, a DART head for SGLang, an existing non-empty --out, a bad option) is one
+line on stderr and exit code 2, as for every dart-* command (`dart_infer.errors`).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("head", help="head directory (<run>/head, <run>/best) or embedded head name")
     p.add_argument("--out", required=True, help="new (or empty) directory to write")
     p.add_argument("--format", default="vllm", choices=FORMATS,
-                   help="vllm: speculators format; sglang: SpecForge/SGLang layout (default vllm)")
+                   help="vllm: DART plugin layout / EAGLE-3 speculators format; sglang: SpecForge/SGLang "
+                        "layout, EAGLE-3 only (default vllm)")
     p.add_argument("--target", default=None,
                    help="the target model the head was trained for (default: from the head or its dart-train run)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help=f"draft tokens per step written into the configs (default {DEFAULT_SPECULATIVE_TOKENS})")
+                   help="draft tokens per step written into the configs (default: a DART head's draft length "
+                        f"d, all its rows from one forward; {DEFAULT_SPECULATIVE_TOKENS} for EAGLE-3)")
     return p
 
 
