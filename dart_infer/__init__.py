@@ -1,8 +1,9 @@
 """DART inference: draft model, target adapter, C++ tree search, lossless generation.
 
-`from dart_infer import DartModel, DartDraftConfig, DartDraftModel` (and `Eagle3Model`, `Eagle3DraftModel`,
-`Eagle3DraftConfig` for EAGLE-3 in the same framework) — resolved lazily, so importing
-the package (e.g. for `dart_infer.assets`) does not pull in torch/transformers.
+`from dart_infer import DartModel, DartDraftConfig, DartDraftModel` — resolved lazily, so importing
+the package (e.g. for `dart_infer.assets`) does not pull in torch/transformers. `DartModel` serves a
+head of any draft method (`load_head` loads one by name or path with its method); EAGLE-3's pieces
+are in `dart_infer.methods.eagle3`.
 """
 
 from __future__ import annotations
@@ -17,26 +18,22 @@ _EXPORTS = {
     "DartDraftConfig": "dart_infer.model",
     "DartDraftModel": "dart_infer.model",
     "TargetModel": "dart_infer.target",
-    "Eagle3Model": "dart_infer.eagle3",
-    "Eagle3DraftConfig": "dart_infer.eagle3",
-    "Eagle3DraftModel": "dart_infer.eagle3",
+    "load_head": "dart_infer.methods",
 }
 
 __all__ = [
     "DartDraftConfig",
     "DartDraftModel",
     "DartModel",
-    "Eagle3DraftConfig",
-    "Eagle3DraftModel",
-    "Eagle3Model",
     "GenerationStats",
     "TargetModel",
     "TreeSearchSettings",
+    "load_head",
 ]
 
 if TYPE_CHECKING:
-    from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, Eagle3Model
     from dart_infer.generate import DartModel
+    from dart_infer.methods import load_head
     from dart_infer.model import DartDraftConfig, DartDraftModel
     from dart_infer.stats import GenerationStats
     from dart_infer.target import TargetModel

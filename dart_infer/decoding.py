@@ -1,7 +1,8 @@
-"""The two decoding loops behind `DartModel`: DART (draft → tree → one verification) and plain
-autoregressive decoding, on the same target adapter, with the same stop rules and statistics.
+"""The decoding loop behind `DartModel` (`decode_steps`): with a draft method's drafter, draft →
+tree → one verification per step; without one, plain autoregressive decoding. Both run on the same
+target adapter, with the same stop rules and statistics.
 
-One DART step (dart-method.md §5):
+One step with a drafter (dart-method.md §5; DART's drafter in steps 1-2):
 1. the draft head turns the newest prefix positions into d logit rows (`DartDraftModel.draft_step`);
 2. `dart_infer.tree.draft_trees` turns them into a token tree (top-k → target ids → C++ search
    with the token history ending in the root, and the trie);
@@ -11,9 +12,9 @@ One DART step (dart-method.md §5):
 5. the target cache keeps only the accepted path; the accepted positions are appended to the
    draft's cache with the next step's draft forward.
 
-The tree loop (`tree_steps`) is shared: DART plugs in as `DartDrafter` (steps 1-2), EAGLE-3 as
-`dart_infer.eagle3.Eagle3Drafter` (its dynamic tree); verification, acceptance and keep-path are
-the same code for both. Both loops are generators of `StepOutput`s and handle batch size 1.
+Every draft method plugs in a drafter for steps 1-2 (`dart_infer.methods`: DART's `DartDrafter`,
+EAGLE-3's `Eagle3Drafter` with its dynamic tree); verification, acceptance and keep-path are the same
+code for all. The loop yields `StepOutput`s and handles batch size 1.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ from typing import Any
 
 import torch
 
-from dart_infer.model import DraftKVCache
+from dart_infer.methods.base import Drafter
 from dart_infer.sampling import Sampler, greedy_accept, sampling_accept
 from dart_infer.stats import GenerationStats, PhaseTimer, StepOutput, wall_clock
-from dart_infer.tree import DraftTree, TreeSearchSettings, draft_trees, request_context
 
-__all__ = ["DartDrafter", "ar_steps", "dart_steps", "stop_cut", "tree_steps"]
+__all__ = ["decode_steps", "stop_cut"]
 
 
 def stop_cut(tokens: Sequence[int], emitted: int, budget: int, eos_token_ids: Sequence[int]) -> tuple[int, bool]:
@@ -78,57 +78,35 @@ class _Run:
             self.stats.timings = dict(self.timer.totals)
 
 
-class DartDrafter:
-    """DART's side of `tree_steps`: `update` runs the head's one draft forward over the new prefix
-    positions (its d logit rows), `propose` turns them into a tree with the C++ search."""
-
-    propose_phase = "search"
-
-    def __init__(self, model: Any, settings: TreeSearchSettings) -> None:
-        self.draft, self.trie, self.eos_token_ids = model.draft_model, model.trie, model.eos_token_ids
-        self.settings = settings
-        self.cache = DraftKVCache()
-        self.context = request_context(settings)  # this request's context n-grams (None: off)
-        self.logits: torch.Tensor | None = None
-
-    def update(self, aux_hidden_new: torch.Tensor, next_ids_new: torch.Tensor) -> None:
-        self.logits = self.draft.draft_step(aux_hidden_new, next_ids_new, self.cache)
-
-    def propose(self, history: torch.Tensor) -> DraftTree:
-        assert self.logits is not None, "update() first"
-        return draft_trees(
-            self.logits[None], self.draft, [history], trie=self.trie, settings=self.settings,
-            eos_token_ids=self.eos_token_ids, contexts=[self.context],
-        )[0]
-
-
-def dart_steps(
+def decode_steps(
     model: Any,
     prompt: torch.Tensor,
     budget: int,
     sampler: Sampler,
-    settings: TreeSearchSettings,
+    drafter: Drafter | None,
     profile: bool,
 ) -> Iterator[StepOutput]:
-    """DART decoding of `prompt` (1-D) with a `DartModel`'s target, head, trie and EOS set;
-    the statistics land in `model.last_stats`."""
-    return tree_steps(model, prompt, budget, sampler, DartDrafter(model, settings), profile)
+    """THE decoding loop of `DartModel`: `prompt` (1-D) decoded with `model`'s target and EOS set,
+    drafting with `drafter` (a draft method's, `dart_infer.methods`), or plainly without one. The
+    statistics land in `model.last_stats`."""
+    if drafter is None:
+        return _plain_steps(model, prompt, budget, sampler, profile)
+    return _tree_steps(model, prompt, budget, sampler, drafter, profile)
 
 
 @torch.no_grad()
-def tree_steps(
+def _tree_steps(
     model: Any,
     prompt: torch.Tensor,
     budget: int,
     sampler: Sampler,
-    drafter: Any,
+    drafter: Drafter,
     profile: bool,
 ) -> Iterator[StepOutput]:
-    """Draft-tree decoding of `prompt` (1-D): prefill, then per step the drafter's tree, ONE
-    verification, acceptance and keep-path. `drafter` (`DartDrafter`, `dart_infer.eagle3.Eagle3Drafter`)
-    has `update(aux_new [1,n,3H], next_ids_new [1,n])` for accepted prefix positions and
-    `propose(history) -> DraftTree` (history: CPU tokens so far, ending with the root), timed as
-    its `propose_phase`."""
+    """Draft-tree decoding: prefill, then per step the drafter's tree, ONE verification, acceptance
+    and keep-path. The drafter's `update(aux_new [1,n,3H], next_ids_new [1,n])` takes the accepted
+    prefix positions, `propose(history) -> DraftTree` (history: CPU tokens so far, ending with the
+    root) is timed as its `propose_phase`."""
     target = model.target
     device = target.device
     timer = PhaseTimer(profile, device)
@@ -176,7 +154,7 @@ def tree_steps(
 
 
 @torch.no_grad()
-def ar_steps(model: Any, prompt: torch.Tensor, budget: int, sampler: Sampler, profile: bool) -> Iterator[StepOutput]:
+def _plain_steps(model: Any, prompt: torch.Tensor, budget: int, sampler: Sampler, profile: bool) -> Iterator[StepOutput]:
     """Plain autoregressive decoding through the same target adapter (one token per forward)."""
     target = model.target
     device = target.device

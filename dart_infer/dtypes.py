@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["as_dtype", "cast_parameters", "native_bf16"]
+__all__ = ["as_dtype", "cast_parameters", "dtype_name", "native_bf16", "resolve_dtype", "resolve_dtype_name"]
 
 DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -46,13 +46,30 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def resolve_dtype_name(value: str) -> str:
-    """The one resolver of a dtype setting (`serve_dtype`, `model.dtype`): a name (float32, bf16, ...)
-    as its canonical name, or `auto` = bfloat16 where this machine computes it natively (CUDA, CPUs
-    with AVX512-BF16/AMX), else float32, the exactness mode (greedy DART equals plain decoding)."""
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32", "bfloat16", ... (the name configs use)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_dtype(value: str | torch.dtype | None, otherwise: torch.dtype | None = torch.float32) -> torch.dtype | None:
+    """The one resolver of a dtype setting, for serving and training alike: null/none gives None, a
+    name (float32, bf16, ...) its dtype, and `auto` bfloat16 where this machine computes it natively
+    (CUDA, CPUs with AVX512-BF16/AMX), else `otherwise` (float32, the exactness mode, for a serving
+    dtype; None = no autocast; the model's own dtype for training's bf16 target copy)."""
+    if value is None or str(value).lower() in ("null", "none", ""):
+        return None
     if str(value) != "auto":
-        return str(as_dtype(str(value))).removeprefix("torch.")
-    return "bfloat16" if native_bf16(default_device()) else "float32"
+        return as_dtype(value)
+    return torch.bfloat16 if native_bf16(default_device()) else otherwise
+
+
+def resolve_dtype_name(value: str) -> str:
+    """A serving dtype setting (`serve_dtype`, `model.dtype`) resolved (`resolve_dtype`: auto = bf16
+    where native, else float32) to its canonical name."""
+    dtype = resolve_dtype(value)
+    if dtype is None:
+        raise ValueError(f"unknown dtype {value!r}; use auto or one of {sorted(DTYPE_NAMES)}")
+    return dtype_name(dtype)
 
 
 def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:

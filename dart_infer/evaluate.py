@@ -6,7 +6,7 @@ Methods (names used in configs, JSON and tables):
 - `prompt_lookup`: transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`), the speculative
   decoder a transformers user already has;
 - `dart`: DART with the n-gram trie; `dart_no_trie`: DART with the n-gram term switched off;
-- `eagle3`: an EAGLE-3 head (`dart_infer.eagle3.Eagle3Model` on the same target) with EAGLE-2's dynamic
+- `eagle3`: an EAGLE-3 head (a `DartModel` with that head on the same target) with EAGLE-2's dynamic
   tree, verified by the same loop as DART.
 
 Every method runs in the serving dtype (the `DartModel`'s); the plain ones (`ar`, `hf_generate`) also
@@ -235,7 +235,7 @@ class Evaluator:
 
     `model` runs every method in its (serving) dtype; each of `plain_models` (the same target in other
     dtypes, e.g. `model.with_dtype("float32")` or a float32 load) runs the plain methods too.
-    `eagle3` (an `Eagle3Model` on the same target, in the serving dtype) runs the `eagle3` method.
+    `eagle3` (a `DartModel` with an EAGLE-3 head on the same target, in the serving dtype) runs `eagle3`.
     """
 
     def __init__(
@@ -251,8 +251,9 @@ class Evaluator:
         dtypes = [serving, *(m.target.dtype for m in plain_models)]
         if len(set(dtypes)) != len(dtypes):
             raise ValueError(f"one model per dtype: the serving model is {serving}, plain models {dtypes[1:]}")
-        if "eagle3" in settings.methods and (eagle3 is None or eagle3.target.dtype != serving):
-            raise ValueError(f"method 'eagle3' needs an Eagle3Model in the serving dtype {serving} (eagle3_model)")
+        if "eagle3" in settings.methods and (eagle3 is None or getattr(eagle3.method, "name", None) != "eagle3"
+                                             or eagle3.target.dtype != serving):
+            raise ValueError(f"method 'eagle3' needs an EAGLE-3 head's model in the serving dtype {serving} (eagle3_model)")
         self.runs = [_Run(m, m, eagle3 if m == "eagle3" else model) for m in settings.methods]
         for other in plain_models:
             self.runs += [
@@ -268,7 +269,7 @@ class Evaluator:
             "prompt_lookup": partial(self._run_hf, prompt_lookup=True),
             "dart": partial(self._run_dart, tree=None),
             "dart_no_trie": partial(self._run_dart, tree={"ngram_weight": 0.0}),
-            "eagle3": partial(self._run_dart, tree=None, generate="eagle3_generate"),
+            "eagle3": partial(self._run_dart, tree=None),  # the same path: the model's head is EAGLE-3's
         }
 
     # ---------------------------------------------------------------------------------- methods
@@ -285,9 +286,9 @@ class Evaluator:
 
     def _run_dart(
         self, run: _Run, ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int, *,
-        tree: dict[str, Any] | None, generate: str = "dart_generate",
+        tree: dict[str, Any] | None,
     ) -> Record:
-        out, stats = getattr(run.model, generate)(
+        out, stats = run.model.dart_generate(
             ids, sampling.temperature, sampling.top_p, sampling.top_k, max_new_token_num=max_new,
             generator=self._generator(run.model, seed), tree=tree, profile=True, return_stats=True,
         )

@@ -113,8 +113,9 @@ def load_tokenizer(name_or_path: str | Path, chat_template: str | None = None) -
     return tokenizer
 
 
-def check_head_matches_target(draft: DartDraftModel, target: TargetModel) -> None:
-    """Raise a ValueError naming every mismatch between a head and the base model it is paired with."""
+def check_head_matches_target(draft: Any, target: TargetModel, kind: str = "DART") -> None:
+    """Raise a ValueError naming every mismatch between a head (of any draft method; `kind` names it
+    in the message) and the base model it is paired with."""
     cfg = draft.config
     problems = []
     if cfg.hidden_size != target.hidden_size:
@@ -128,7 +129,7 @@ def check_head_matches_target(draft: DartDraftModel, target: TargetModel) -> Non
     if draft.fc.in_features != 3 * target.hidden_size:
         problems.append(f"fc takes {draft.fc.in_features} inputs, base gives 3 x {target.hidden_size}")
     if problems:
-        raise ValueError("the DART head does not fit the base model: " + "; ".join(problems))
+        raise ValueError(f"the {kind} head does not fit the base model: " + "; ".join(problems))
 
 
 def check_trie_matches_tokenizer(trie: Any, tokenizer: Any, vocab_size: int) -> None:
@@ -144,7 +145,8 @@ def load_draft_model(
     path: str | Path, *, dtype: torch.dtype | None = None, model_class: Any = DartDraftModel, kind: str = "DART"
 ) -> Any:
     """Load a head saved by us or by the authors; any missing, unreadable or mis-shaped tensor is an error.
-    `model_class`/`kind`: another head type and its name in messages (`dart_infer.eagle3`)."""
+    `model_class`/`kind`: another method's head class and its name in messages (`DraftMethod.load`;
+    `dart_infer.methods.load_head` finds the method from the head's config)."""
     from dart_infer.assets import check_model_reference, resolve_model
 
     check_model_reference(str(path), f"{kind} head", head=True)  # a typo fails here, not on the network

@@ -25,11 +25,12 @@ def fit_tree(
     A GPU verifies 60 nodes for about the cost of one; a CPU does not, so the tree that maximises
     speedup depends on the hardware and has to be measured. Each setting is timed against AR runs
     interleaved with its own, prompt by prompt, so drift of the machine's speed cancels in the ratio.
-    An `Eagle3Model` is fitted the same way over its dynamic tree's settings (top_k, depth, total_tokens).
+    The settings are those of the model's head's method: a model with an EAGLE-3 head is fitted the
+    same way over its dynamic tree's settings (top_k, depth, total_tokens).
     """
     for setting in grid:
         model.tree.with_overrides(setting)  # validates names and values before timing
-    speculative = getattr(model, "eagle3_generate", None) or model.dart_generate
+    speculative = model.dart_generate
     results = []
     # Warm-up: first calls pay one-time kernel and allocator set-up that would flatter the later ones.
     model.ar_generate(prompts[0], max_new_token_num=8)

@@ -9,59 +9,40 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dart_infer.dtypes import dtype_name, resolve_dtype
+from dart_train.settings import LoggingConfig, OptimConfig, TrainerConfig, TrainSettings, from_group
+
 log = logging.getLogger(__name__)
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    """A config dtype name, or None for null/none."""
-    from dart_infer.dtypes import as_dtype
-
-    return None if name in (None, "null", "none") else as_dtype(name)
-
-
-def _native_bf16() -> bool:
-    from dart_infer.dtypes import default_device, native_bf16
-
-    return native_bf16(default_device())
-
-
-def _autocast_dtype(name: str | None) -> torch.dtype | None:
-    """`auto`: bfloat16 where the hardware computes it natively, else none (the target's own dtype)."""
-    if str(name) != "auto":
-        return _dtype(name)
-    return torch.bfloat16 if _native_bf16() else None
-
-
-def _draft_autocast(name: str | None) -> str | None:
-    """`trainer.autocast` as DeepSpeed's torch_autocast dtype name (`auto`: bfloat16 where native)."""
-    dtype = _autocast_dtype(name)
-    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def states_target_dtype(cfg: DictConfig) -> torch.dtype:
     """The dtype of the target's weights for computing training states (`states.target_dtype`).
 
-    `auto`: bfloat16 where the hardware has it natively, else `model.dtype`. Measured on this
-    project's CPU (AVX512-BF16 + AMX), SmolLM2's forward over 2x1024 tokens: bf16 weights 2,039 tok/s,
-    fp32 weights under bf16 autocast 1,425, fp32 717 (autocast re-casts the weights every op)."""
+    `auto`: bfloat16 where the hardware has it natively, else `model.dtype` (`resolve_dtype`).
+    Measured on this project's CPU (AVX512-BF16 + AMX), SmolLM2's forward over 2x1024 tokens: bf16
+    weights 2,039 tok/s, fp32 weights under bf16 autocast 1,425, fp32 717 (autocast re-casts the
+    weights every op)."""
     name = cfg.states.get("target_dtype", "auto")
-    loaded = _dtype(cfg.model.get("dtype", "float32")) or torch.float32
+    loaded = resolve_dtype(cfg.model.get("dtype", "float32")) or torch.float32
+    chosen = resolve_dtype(name, otherwise=loaded) or loaded
     if str(name) == "auto":
-        chosen = torch.bfloat16 if _native_bf16() else loaded
-        log.info("states.target_dtype=auto: %s", str(chosen).removeprefix("torch."))
-        return chosen
-    return _dtype(name) or loaded
+        log.info("states.target_dtype=auto: %s", dtype_name(chosen))
+    return chosen
 
 
-def is_eagle3(cfg: DictConfig) -> bool:
-    """`draft=eagle3`: train an EAGLE-3 head (configs/draft/eagle3.yaml) instead of a DART one."""
-    return str(cfg.draft.get("method", "dart")) == "eagle3"
+def draft_method(cfg: DictConfig) -> Any:
+    """The training hooks (`dart_train.methods`) of the head `draft.method` names: `dart` by default,
+    `eagle3` with `draft=eagle3` (configs/draft/eagle3.yaml)."""
+    from dart_train.methods import get_train_method
+
+    return get_train_method(str(cfg.draft.get("method", "dart")))
 
 
 def loss_gamma(cfg: DictConfig) -> float:
@@ -74,14 +55,17 @@ def loss_gamma(cfg: DictConfig) -> float:
 def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any, embedding: torch.Tensor | None = None) -> Any:
     """A random head shaped from the target's config (or `draft.init_from`), checked against it.
     `embedding`: the target's input embedding as served (default: the target's own weight)."""
-    from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, load_eagle3_model
-    from dart_infer.loading import check_head_matches_target, load_draft_model
-    from dart_infer.model import DartDraftConfig, DartDraftModel
+    from dart_infer.loading import check_head_matches_target
+    from dart_infer.methods import get_method, load_head
 
     draft_cfg = cfg.draft
-    eagle3 = is_eagle3(cfg)
+    method = draft_method(cfg)
+    serving = get_method(method.name)  # the head and config classes
     if draft_cfg.init_from:
-        head = (load_eagle3_model if eagle3 else load_draft_model)(str(draft_cfg.init_from), dtype=torch.float32)
+        head, found = load_head(str(draft_cfg.init_from), dtype=torch.float32)
+        if found is not serving:
+            raise ValueError(f"draft.init_from={draft_cfg.init_from} is a {found.display_name} head, but "
+                             f"draft.method={method.name} trains a {serving.display_name} head")
     else:
         vocab = target.vocab_size
         draft_vocab = draft_cfg.draft_vocab_size or vocab
@@ -90,26 +74,17 @@ def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any, embedding: t
                 f"draft.draft_vocab_size={draft_vocab} does not fit the target: it must be in 1..{vocab} "
                 "(the target's vocabulary size)"
             )
-        length_key = "ttt_length" if eagle3 else "draft_length"
+        length_key = method.length_key
         steps = int(draft_cfg[length_key])
         if steps < 1:
             raise ValueError(f"draft.{length_key} must be >= 1, got {steps}")
-        if eagle3:
-            config: Any = Eagle3DraftConfig.from_target_config(
-                target.model.config, draft_vocab_size=int(draft_vocab), ttt_length=steps
-            )
-            config.eagle_aux_hidden_state_layer_ids = list(target.aux_layer_ids)
-        else:
-            config = DartDraftConfig.from_target_config(
-                target.model.config, draft_length=steps, draft_vocab_size=int(draft_vocab)
-            )
-            config.aux_layer_ids = list(target.aux_layer_ids)
+        config = method.new_config(target, int(draft_vocab), steps)
         torch.manual_seed(int(cfg.seed))
-        head = (Eagle3DraftModel if eagle3 else DartDraftModel)(config).float()
+        head = serving.head_class(config).float()
         head.set_vocab_mapping(vocab_mapping_fn(int(draft_vocab)))
         if draft_cfg.get("init_output_from_target", False):
             init_output_from_target(head, target.model)
-    check_head_matches_target(head, target)
+    check_head_matches_target(head, target, serving.display_name)
     head.set_target_embedding(target.embedding_weight if embedding is None else embedding)
     return head.train()
 
@@ -150,7 +125,7 @@ def load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
     # Checked first: a bad or missing model.chat_template fails before the model loads.
     tokenizer = load_tokenizer(path, cfg.model.get("chat_template"))
     check_chat_template(tokenizer)
-    dtype = _dtype(cfg.model.get("dtype", "float32")) or torch.float32
+    dtype = resolve_dtype(cfg.model.get("dtype", "float32")) or torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     if torch.cuda.is_available():
         model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
@@ -165,6 +140,44 @@ def load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
     return TargetModel(model), tokenizer, embedding
 
 
+def vocab_mapping_fn(cfg: DictConfig, dataset: Any, tokenizer: Any, vocab_size: int) -> Callable[[int], torch.Tensor]:
+    """`draft_vocab -> t2d` for `build_head`: the most frequent target tokens under the loss mask in the
+    first `draft.vocab_max_sequences` sequences, the tokenizer's special tokens kept."""
+    from dart_train.vocab import build_vocab_mapping
+
+    def mapping(draft_vocab: int) -> torch.Tensor:
+        limit = cfg.draft.vocab_max_sequences
+        sequences = dataset.sequences if limit is None else dataset.sequences[: int(limit)]
+        specials = [i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if i is not None]
+        return build_vocab_mapping(sequences, vocab_size, draft_vocab, special_token_ids=specials)
+
+    return mapping
+
+
+def make_loader(cfg: DictConfig, dataset: Any, tokenizer: Any, rank: int = 0, world_size: int = 1) -> Any:
+    """The resumable loader of this rank's micro-batches (`trainer`: packed rows with `pack_length`,
+    else padded length buckets of `max_tokens` / `batch_size`)."""
+    from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
+
+    t = trainer_config(cfg)
+    longest = max(dataset.lengths)
+    if t.pack_length:
+        if t.batch_size:
+            raise ValueError("trainer.batch_size does not apply to packed rows: set trainer.pack_length=null")
+        row_tokens = max(t.pack_length, longest)
+        sampler: Any = PackedBatchSampler(
+            dataset.lengths, row_tokens=row_tokens, max_tokens=max(t.max_tokens or 0, row_tokens),
+            seed=int(cfg.seed), rank=rank, world_size=world_size,
+        )
+    else:
+        sampler = LengthBucketBatchSampler(
+            dataset.lengths, max_tokens=max(t.max_tokens, longest) if t.max_tokens else None,
+            batch_size=t.batch_size or None, seed=int(cfg.seed), rank=rank, world_size=world_size,
+        )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return ResumableLoader(dataset, sampler, pad_token_id=int(pad))
+
+
 def make_state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> Any:
     from dart_train.online_states import OnlineStateSource
     from dart_train.state_cache_reader import OfflineStateSource
@@ -176,14 +189,14 @@ def make_state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path)
         return OnlineStateSource(
             target,
             topk=int(topk) if topk is not None else None,
-            hidden_dtype=_dtype(states.hidden_dtype) or torch.bfloat16,
-            autocast_dtype=_autocast_dtype(states.autocast_dtype),
+            hidden_dtype=resolve_dtype(states.hidden_dtype) or torch.bfloat16,
+            autocast_dtype=resolve_dtype(states.autocast_dtype, otherwise=None),
             labels_only=True,
             compile=bool(states.get("compile", False)),
         )
     if states.mode == "offline":
         root = Path(states.cache_dir) if states.cache_dir else run_dir / "states"
-        autocast = _autocast_dtype(states.autocast_dtype)
+        autocast = resolve_dtype(states.autocast_dtype, otherwise=None)
         # One cache per target, data and settings under the root: a change makes a new one, keeps the old.
         cache = keyed_cache_dir(root, cache_header(target, dataset, topk=int(topk), shard_size=int(states.shard_size),
                                                    autocast_dtype=autocast))
@@ -202,7 +215,8 @@ def make_evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: Dict
     if not ev.enabled:
         return None
     from dart_infer.conversations import load_conversations
-    from dart_infer.loading import eos_token_ids, load_trie
+    from dart_infer.loading import eos_token_ids
+    from dart_infer.resolve import trie_from_config
     from dart_train.dataset import build_dataset
     from dart_train.evaluate import SimulatedTau
     from dart_train.online_states import OnlineStateSource
@@ -211,28 +225,38 @@ def make_evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: Dict
     dataset = build_dataset(
         conversations, tokenizer, int(cfg.preprocess.max_length), template_kwargs=template_kwargs(cfg)
     )
-    trie = load_trie(str(ev.ngram_model), verify=bool(ev.get("ngram_verify", False))) if ev.ngram_model else None
+    # As dart-eval resolves its trie: a missing, corrupt or mismatched one is refused before training.
+    trie = trie_from_config(ev, (tokenizer, target.vocab_size), prefix="train_eval.")
+    if trie.notice:
+        (log.info if trie.trie is not None else log.warning)("%s", trie.notice)
     return SimulatedTau(
         dataset,
         OnlineStateSource(target, topk=int(cfg.states.topk) if cfg.states.topk else None,
                           hidden_dtype=torch.float32),
         eos_token_ids=eos_token_ids(target.model, tokenizer),
-        trie=trie,
+        trie=trie.trie,
         tree=OmegaConf.to_container(ev.tree, resolve=True),
         anchors_per_sequence=int(ev.anchors_per_sequence),
         reference=str(ev.reference),
         gamma=loss_gamma(train_cfg),
-        eagle3_tree=OmegaConf.to_container(cfg.draft.tree, resolve=True) if is_eagle3(cfg) else None,
+        method_trees=_method_trees(cfg),
     )
+
+
+def _method_trees(cfg: DictConfig) -> dict[str, Any] | None:
+    """The trained method's own tree for simulated τ when its draft group has one (EAGLE-3: `draft.tree`)."""
+    if cfg.draft.get("tree") is None:
+        return None
+    return {draft_method(cfg).name: OmegaConf.to_container(cfg.draft.tree, resolve=True)}
 
 
 def evaluate_other_head(evaluator: Any, name: str, trained: Any) -> dict[str, Any]:
     """`train_eval.compare_head`: another head (e.g. the shipped one) through the same held-out
     evaluation as the head just trained, in its dtype and on its device, so the two τ compare."""
-    from dart_infer.loading import load_draft_model
+    from dart_infer.methods import load_head
 
     weight = trained.fc.weight
-    other = load_draft_model(name, dtype=weight.dtype).to(weight.device).eval()
+    other = load_head(name, dtype=weight.dtype)[0].to(weight.device).eval()  # a head of any method
     other.set_target_embedding(trained.embed_tokens.weight)  # the embedding it is served with
     with torch.no_grad():
         result = dict(evaluator(other))
@@ -288,23 +312,22 @@ def template_kwargs(cfg: DictConfig) -> dict[str, Any] | None:
     return OmegaConf.to_container(kwargs, resolve=True) if kwargs else None
 
 
-def settings_from_config(cfg: DictConfig) -> Any:
-    from dart_train.engine import TrainSettings
+def trainer_config(cfg: DictConfig) -> TrainerConfig:
+    """The `trainer` group as its structured config (`dart_train.settings.TrainerConfig`)."""
+    return from_group(TrainerConfig, cfg.trainer)
 
-    o, t = cfg.optim, cfg.trainer
-    return TrainSettings(
-        lr=float(o.lr), betas=tuple(o.betas), eps=float(o.eps), weight_decay=float(o.weight_decay),
-        warmup_ratio=float(o.warmup_ratio),
-        warmup_steps=int(o.warmup_steps) if o.warmup_steps is not None else None,
-        min_lr_ratio=float(o.min_lr_ratio), grad_clip=float(o.grad_clip), gamma=loss_gamma(cfg),
-        epochs=int(o.epochs), max_steps=int(t.max_steps) if t.max_steps is not None else None,
-        grad_accum=int(t.grad_accum), zero_stage=int(t.zero_stage), bf16=bool(t.bf16),
-        autocast_dtype=_draft_autocast(t.get("autocast")),
-        max_anchors=int(t.max_anchors) if t.max_anchors is not None else None, attention=str(t.attention),
-        seed=int(cfg.seed), log_every=int(cfg.logging.log_every),
-        eval_every=int(cfg.train_eval.every) if cfg.train_eval.enabled and cfg.train_eval.every else None,
-        save_every=int(t.save_every) if t.save_every else None, keep_last=int(t.keep_last),
-        progress=bool(cfg.logging.progress),
+
+def settings_from_config(cfg: DictConfig) -> TrainSettings:
+    """The engine's settings: the `optim`, `trainer` and `logging` groups read into their structured
+    configs and taken field by field by name (`TrainSettings.from_groups`); decided here only what
+    depends on more than one key."""
+    trainer = trainer_config(cfg)
+    autocast = resolve_dtype(trainer.autocast, otherwise=None)  # auto: bfloat16 where native
+    every = cfg.train_eval.every if cfg.train_eval.enabled else None
+    return TrainSettings.from_groups(
+        from_group(OptimConfig, cfg.optim), trainer, from_group(LoggingConfig, cfg.logging),
+        gamma=loss_gamma(cfg), autocast_dtype=dtype_name(autocast) if autocast is not None else None,
+        seed=int(cfg.seed), eval_every=int(every) if every else None,
     )
 
 

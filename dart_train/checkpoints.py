@@ -44,6 +44,7 @@ import torch
 from dart_infer.errors import InputError
 from dart_infer.files import atomic_write_bytes
 from dart_train.dist import rank_and_world_size
+from dart_train.settings import CONFIG_KEYS
 
 if TYPE_CHECKING:
     from dart_train.engine import TrainSettings
@@ -67,17 +68,6 @@ _APPLIED_ON_RESUME = frozenset({
     "epochs", "grad_clip", "gamma", "autocast_dtype", "max_anchors", "attention", "log_every", "eval_every",
     "save_every", "keep_last", "progress",
 })
-# The config keys of the settings (`dart_train.builders.settings_from_config`), for messages.
-_CONFIG_KEYS = {
-    "lr": "optim.lr", "betas": "optim.betas", "eps": "optim.eps", "weight_decay": "optim.weight_decay",
-    "warmup_ratio": "optim.warmup_ratio", "warmup_steps": "optim.warmup_steps",
-    "min_lr_ratio": "optim.min_lr_ratio", "grad_clip": "optim.grad_clip", "gamma": "optim.gamma",
-    "epochs": "optim.epochs", "max_steps": "trainer.max_steps", "grad_accum": "trainer.grad_accum",
-    "zero_stage": "trainer.zero_stage", "bf16": "trainer.bf16", "autocast_dtype": "trainer.autocast",
-    "max_anchors": "trainer.max_anchors", "attention": "trainer.attention", "seed": "seed",
-    "log_every": "logging.log_every", "eval_every": "train_eval.every", "save_every": "trainer.save_every",
-    "keep_last": "trainer.keep_last", "progress": "logging.progress",
-}
 _WHY_REFUSED = {
     "zero_stage": "DeepSpeed stores the optimiser state per ZeRO stage",
     "bf16": "the optimiser's master weights are stored differently with bf16",
@@ -104,7 +94,7 @@ def check_resumable(saved: Mapping[str, Any], tag: str, settings: TrainSettings,
     for key, value in asdict(settings).items():
         if key not in old or old[key] == value:
             continue
-        name = _CONFIG_KEYS.get(key, key)
+        name = CONFIG_KEYS.get(key, key)
         if key in _APPLIED_ON_RESUME:
             changes.append(f"{name}: {old[key]!r} -> {value!r}")
         else:

@@ -37,12 +37,15 @@ from dart_train.builders import (
     evaluate_other_head,
     load_target,
     make_evaluator,
+    make_loader,
     make_state_source,
     regenerate_conversations,
     regenerate_output,
     settings_from_config,
     start_wandb,
     template_kwargs,
+    trainer_config,
+    vocab_mapping_fn,
 )
 from dart_train.run_dir import RunDirError, prepare_run_dir, resumed_config, save_config
 
@@ -58,11 +61,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
     from dart_infer.conversations import load_conversations
-    from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
     from dart_train.checkpoints import CHECKPOINT_DIR, check_resumable, select_checkpoint
     from dart_train.dataset import build_dataset
     from dart_train.engine import DartTrainer, estimate_step_memory, init_distributed
-    from dart_train.vocab import build_vocab_mapping
 
     if cfg.output_dir:
         run_dir = Path(str(cfg.output_dir))
@@ -115,36 +116,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     log.info("training data: %s", dataset.stats.as_dict())
 
-    def vocab_mapping(draft_vocab: int) -> torch.Tensor:
-        limit = cfg.draft.vocab_max_sequences
-        sequences = dataset.sequences if limit is None else dataset.sequences[: int(limit)]
-        specials = [i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) if i is not None]
-        return build_vocab_mapping(sequences, target.vocab_size, draft_vocab, special_token_ids=specials)
-
-    head = build_head(target, cfg, vocab_mapping, embedding)
-    t = cfg.trainer
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if t.get("pack_length"):
-        if t.batch_size:
-            raise ValueError("trainer.batch_size does not apply to packed rows: set trainer.pack_length=null")
-        row_tokens = max(int(t.pack_length), max(dataset.lengths))
-        sampler: Any = PackedBatchSampler(
-            dataset.lengths, row_tokens=row_tokens, max_tokens=max(int(t.max_tokens or 0), row_tokens),
-            seed=int(cfg.seed), rank=rank, world_size=world,
-        )
-    else:
-        sampler = LengthBucketBatchSampler(
-            dataset.lengths,
-            max_tokens=max(int(t.max_tokens), max(dataset.lengths)) if t.max_tokens else None,
-            batch_size=int(t.batch_size) if t.batch_size else None,
-            seed=int(cfg.seed), rank=rank, world_size=world,
-        )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    loader = ResumableLoader(dataset, sampler, pad_token_id=int(pad))
+    head = build_head(target, cfg, vocab_mapping_fn(cfg, dataset, tokenizer, target.vocab_size), embedding)
+    t = trainer_config(cfg)
+    loader = make_loader(cfg, dataset, tokenizer, rank, int(os.environ.get("WORLD_SIZE", "1")))
     if rank == 0:  # before the expensive part: what the largest micro-batch will need
-        compiled_flex = torch.cuda.is_available() and str(t.attention) != "dense"
+        compiled_flex = torch.cuda.is_available() and t.attention != "dense"
         estimate = estimate_step_memory(
-            sampler.batches(0), dataset.lengths, [int(s["loss_mask"].sum()) for s in dataset.sequences],
+            loader.batch_sampler.batches(0), dataset.lengths, [int(s["loss_mask"].sum()) for s in dataset.sequences],
             draft_config=head.config, max_anchors=settings.max_anchors, compiled_flex=compiled_flex,
             activation_bytes=2 if settings.bf16 or settings.autocast_dtype else 4,
         )
@@ -158,9 +136,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                     run_dir)
     if resuming and rank == 0:  # only once the checkpoint has loaded: a refused resume leaves it as it was
         save_config(run_dir, cfg)
-    if not resumed and int(t.get("skip_batches") or 0):  # a resumed loader already sits past them
-        loader.skip(int(t.skip_batches))
-        log.info("trainer.skip_batches=%d: starting at epoch %d, batch %d", int(t.skip_batches),
+    if not resumed and t.skip_batches:  # a resumed loader already sits past them
+        loader.skip(t.skip_batches)
+        log.info("trainer.skip_batches=%d: starting at epoch %d, batch %d", t.skip_batches,
                  loader.epoch, loader.position)
     # After resume: the wandb run a resumed segment logs into depends on the checkpoint's step.
     wandb_run = start_wandb(cfg, run_dir, trainer.step) if rank == 0 else None

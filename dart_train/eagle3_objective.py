@@ -1,7 +1,8 @@
 """EAGLE-3's training-time test (TTT) on DART's layout, anchors and loss.
 
-`ttt_forward` is what `dart_train.objective.draft_forward` runs for an `Eagle3DraftModel`: the same
-`PrefixSharedLayout` (anchors, row validity, soft-label positions) and the same loss
+`ttt_forward` is what `dart_train.objective.draft_forward` runs for an EAGLE-3 head (its hook in
+`dart_train.methods`): the same `PrefixSharedLayout` (anchors, row validity, soft-label positions)
+and the same loss
 (`annealed_kl_loss`: KL to the target's distribution restricted to the draft vocabulary, weight
 γ^k on step k), so data, online/offline states, packing, the engine, resume, export and evaluation
 are DART's. Only the forward differs — d = `ttt_length` SEQUENTIAL steps instead of one parallel one:
@@ -11,7 +12,7 @@ are DART's. Only the forward differs — d = `ttt_length` SEQUENTIAL steps inste
 - step k ≥ 1 runs only at the anchors: anchor t's input is (h^{k-1}_t, x_{t+1+k}) at position
   pos_t + k; it attends to step 0's keys at positions ≤ t of its document and to its own keys of
   steps 1..k (its chain) — exactly what the inference draft loop sees when it drafts k tokens after
-  the prefix ending at t (`dart_infer.eagle3.chain_logits`; tests/test_eagle3_train.py checks the
+  the prefix ending at t (`dart_infer.methods.eagle3.chain_logits`; tests/test_eagle3_train.py checks the
   logits equal step by step in fp32).
 
 Choices (EAGLE-3 / SpecForge and where we differ):

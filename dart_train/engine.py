@@ -1,7 +1,7 @@
 """DeepSpeed training of a DART head: the training loop, checkpoints with exact resume, export, logging.
 
-- `TrainSettings` (`dart_train.settings`): optimiser / schedule / DeepSpeed / checkpoint knobs (the `trainer`, `optim` and
-  `train_eval` config groups map onto it).
+- `TrainSettings` (`dart_train.settings`): optimiser / schedule / DeepSpeed / checkpoint knobs (the `optim` and
+  `trainer` groups' structured configs, field by field by name; `dart_train.builders.settings_from_config`).
 - `init_distributed()`: joins the process group the `deepspeed` launcher set up, or creates a
   world of one (env vars RANK/WORLD_SIZE/MASTER_ADDR/...) when started as a plain process;
   gloo on CPU, nccl on GPU.

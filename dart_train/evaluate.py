@@ -74,8 +74,9 @@ class SimulatedTau:
     state source (`dart_train.online_states`; target states are computed once and kept: the target is frozen).
     tree: `dart_infer.tree.TreeSearchSettings` or a mapping of its fields (CPU-sized trees
     by default in the train_eval config). trie: an `ngram_builder.NgramTrie` or None.
-    An EAGLE-3 head (`dart_infer.eagle3`) is scored on its own dynamic tree per anchor
-    (`anchor_trees`, `eagle3_tree`: settings or overrides of the CPU default), not on DART's search.
+    Each head is scored on the trees its method serves (`dart_train.methods`): an EAGLE-3 head on its
+    own dynamic tree per anchor, not on DART's search (`method_trees`: per method name, settings or
+    overrides of the method's CPU default; `eagle3_tree` is short for `method_trees={"eagle3": ...}`).
     eos_token_ids: the target's EOS set as serving resolves it (`dart_infer.loading.eos_token_ids`);
     `eos_token_id` (one id) is the older spelling of the same argument.
     """
@@ -96,9 +97,10 @@ class SimulatedTau:
         gamma: float = 0.6,
         seed: int = 0,
         eagle3_tree: Any = None,
+        method_trees: Mapping[str, Any] | None = None,
     ) -> None:
-        from dart_infer.eagle3 import CPU_EAGLE3_TREE, Eagle3TreeSettings
         from dart_infer.tree import TreeSearchSettings
+        from dart_train.methods import get_train_method
 
         if eos_token_ids is not None and eos_token_id is not None:
             raise TypeError("pass eos_token_ids or eos_token_id, not both")
@@ -117,10 +119,9 @@ class SimulatedTau:
         self.tree = TreeSearchSettings.coerce(tree)  # as configured: what serving uses
         # The headline: the paper's search (draft + trie), without the serving extras.
         self.paper_tree = dataclasses.replace(self.tree, context_ngram_weight=0.0, copy_span_tokens=0)
-        # An EAGLE-3 head's dynamic tree (settings or field overrides of the CPU default).
-        self.eagle3_tree = (
-            eagle3_tree if isinstance(eagle3_tree, Eagle3TreeSettings) else CPU_EAGLE3_TREE.with_overrides(eagle3_tree)
-        )
+        # The own trees of methods that have one (EAGLE-3's dynamic tree), resolved now: bad settings fail here.
+        trees = {**({"eagle3": eagle3_tree} if eagle3_tree is not None else {}), **(method_trees or {})}
+        self.method_trees = {name: get_train_method(name).own_tree(spec) for name, spec in trees.items()}
         self.anchors_per_sequence = anchors_per_sequence
         self.max_sequences = max_sequences
         self.batch_size = batch_size
@@ -150,11 +151,12 @@ class SimulatedTau:
     def _anchor_results(
         self, draft_model: nn.Module, settings: Sequence[Any]
     ) -> tuple[list[list[tuple[int, int, int, int]]], dict[str, Any]]:
-        """`anchor_results` for several tree settings from one draft forward (an EAGLE-3 head: its own
-        tree, the same for every entry)."""
-        from dart_infer.eagle3 import Eagle3DraftModel, anchor_trees
-        from dart_infer.tree import draft_trees
+        """`anchor_results` for several tree settings from one draft forward (a method with its own tree,
+        EAGLE-3: that tree, the same for every entry)."""
+        from dart_train.methods import train_method_of
 
+        method = train_method_of(draft_model)
+        own_tree = self.method_trees.get(method.name)
         d = draft_model.config.draft_length
         generator = torch.Generator().manual_seed(self.seed)  # same anchors at every evaluation
         device = draft_model.fc.weight.device
@@ -187,22 +189,10 @@ class SimulatedTau:
             # Valid anchors in row-major order (sequence, then anchor slot).
             seq_index, slot = layout.anchor_valid.nonzero(as_tuple=True)
             anchors = [(b, int(layout.anchors[b, a])) for b, a in zip(seq_index.tolist(), slot.tolist(), strict=True)]
-            if isinstance(draft_model, Eagle3DraftModel):  # EAGLE-3 serves its own dynamic tree
-                trees = []
-                for b in dict.fromkeys(b for b, _ in anchors):  # row-major: each row's anchors in a run
-                    trees += anchor_trees(
-                        draft_model, batch["aux_hidden"][b : b + 1].to(device), input_ids[b : b + 1].to(device),
-                        [t for row, t in anchors if row == b], self.eagle3_tree,
-                    )
-                trees_per_setting = [trees] * len(settings)
-            else:
-                anchor_logits = logits[seq_index.to(logits.device), slot.to(logits.device)]
-                histories = [input_ids[b, : t + 2] for b, t in anchors]
-                trees_per_setting = [
-                    draft_trees(anchor_logits, draft_model, histories, trie=self.trie, settings=tree_settings,
-                                eos_token_ids=self.eos_token_ids)
-                    for tree_settings in settings
-                ]
+            trees_per_setting = method.simulated_trees(
+                draft_model, batch, logits, layout, anchors, settings, trie=self.trie,
+                eos_token_ids=self.eos_token_ids, own_tree=own_tree,
+            )
             for results, trees in zip(by_tree, trees_per_setting, strict=True):
                 for (b, t), tree in zip(anchors, trees, strict=True):
                     seq = input_ids[b, : lengths[b]]
@@ -224,9 +214,9 @@ class SimulatedTau:
     def __call__(self, draft_model: nn.Module) -> dict[str, float]:
         """`tau` (+ `tau_data`, `tau_target`) with the paper's search; `tau_served` with the configured
         tree's context n-grams and copy spans when it has them (module doc)."""
-        from dart_infer.eagle3 import Eagle3DraftModel
+        from dart_train.methods import train_method_of
 
-        extras = self.paper_tree != self.tree and not isinstance(draft_model, Eagle3DraftModel)
+        extras = self.paper_tree != self.tree and train_method_of(draft_model).search_extras
         by_tree, metrics = self._anchor_results(draft_model, [self.paper_tree, self.tree] if extras else [self.tree])
         if not by_tree[0]:
             raise ValueError("no evaluation anchor: the held-out sequences have no assistant tokens to draft")

@@ -44,6 +44,7 @@ __all__ = [
     "ObjectiveOutput",
     "build_layout",
     "draft_forward",
+    "dart_forward",
     "annealed_kl_loss",
     "target_to_draft_index",
 ]
@@ -242,10 +243,11 @@ def draft_forward(
     aux_hidden [B,T,3Ht] are the target's aux hidden states on `input_ids` [B,T]. Clean slot t gets
     (aux_hidden[t], x_{t+1}); the last position has no next token and takes x_{T-1} as a stand-in
     (no row ever reads it: row validity needs x_{t+2}). use_flex: BlockMask + flex_attention
-    (default: on CUDA), else the dense SDPA mask. An EAGLE-3 head gives the same rows from its
-    training-time test (`dart_train.eagle3_objective.ttt_forward`; `use_flex` does not apply).
+    (default: on CUDA), else the dense SDPA mask. The forward is the head's method's
+    (`dart_train.methods`): DART's below (`dart_forward`); an EAGLE-3 head gives the same rows from
+    its training-time test (`dart_train.eagle3_objective.ttt_forward`; `use_flex` does not apply).
     """
-    from dart_infer.eagle3 import Eagle3DraftModel
+    from dart_train.methods import train_method_of
 
     batch, seq_len = input_ids.shape
     if aux_hidden.shape[:2] != (batch, seq_len):
@@ -254,10 +256,16 @@ def draft_forward(
         )
     if layout.seq_len != seq_len:
         raise ValueError(f"layout built for T={layout.seq_len}, batch has T={seq_len}")
-    if isinstance(draft_model, Eagle3DraftModel):  # the same rows from EAGLE-3's sequential steps
-        from dart_train.eagle3_objective import ttt_forward
+    return train_method_of(draft_model).draft_forward(draft_model, aux_hidden, input_ids, layout, use_flex)
 
-        return ttt_forward(draft_model, aux_hidden, input_ids, layout)
+
+def dart_forward(
+    draft_model: torch.nn.Module, aux_hidden: Tensor, input_ids: Tensor, layout: PrefixSharedLayout, *,
+    use_flex: bool | None = None,
+) -> Tensor:
+    """DART's training forward (`draft_forward` checks the inputs): clean slots, then every anchor's
+    d - 1 mask slots, in ONE forward of the draft layer under the prefix-shared mask."""
+    batch = input_ids.shape[0]
     d, num_anchors = layout.draft_length, layout.num_anchors
     next_ids = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1)
     res_clean, attn_clean = draft_model.prefix_inputs(aux_hidden, next_ids)

@@ -33,11 +33,13 @@ def decode_child(prompts: int, new_tokens: int) -> None:
     from dart_infer.cli.eval import benchmark_conversations
     from dart_infer.evaluate import chat_prompt, first_turn
     from dart_infer.generate import DartModel
+    from dart_infer.resolve import default_trie_path, model_vocabulary, resolve_trie
 
     torch.set_num_threads(2)
-    trie = Path("runs/ngram/sharegpt/full.ngt")
-    model = DartModel.from_pretrained("smollm2-135m-instruct", "dart-smollm2-135m-instruct",
-                                      str(trie) if trie.is_file() else None, dtype="bfloat16")
+    base = "smollm2-135m-instruct"
+    # The default trie as dart-eval's `ngram_model=auto` takes it (stdout is this child's JSON line only).
+    trie = resolve_trie("auto", vocabulary=lambda: model_vocabulary(base), default=default_trie_path()).path
+    model = DartModel.from_pretrained(base, "dart-smollm2-135m-instruct", trie, dtype="bfloat16")
     ids = [chat_prompt(model.tokenizer, first_turn(c)) for c in benchmark_conversations("mtbench", prompts)]
     model.ar_generate(ids[0], max_new_token_num=8)  # warm-up
     model.dart_generate(ids[0], max_new_token_num=8)
@@ -47,7 +49,7 @@ def decode_child(prompts: int, new_tokens: int) -> None:
             stats = generate(prompt, max_new_token_num=new_tokens, return_stats=True)[1]
             totals[kind][0] += stats.new_tokens
             totals[kind][1] += stats.wall_time
-    print(json.dumps({"allocator": allocator_in_use(), "trie": trie.is_file(),
+    print(json.dumps({"allocator": allocator_in_use(), "trie": trie is not None,
                       **{f"{k}_tokens_per_s": n / s for k, (n, s) in totals.items()}}))
 
 

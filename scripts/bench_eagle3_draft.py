@@ -30,18 +30,12 @@ def main() -> None:
     from transformers import AutoConfig
 
     from dart_infer.assets import resolve_model
-    from dart_infer.decoding import DartDrafter
-    from dart_infer.eagle3 import (
-        CPU_EAGLE3_TREE,
-        Eagle3DraftConfig,
-        Eagle3Drafter,
-        Eagle3DraftModel,
-        Eagle3TreeSettings,
-    )
-    from dart_infer.generate import CPU_TREE
+    from dart_infer.methods import get_method
+    from dart_infer.methods.dart import DartDrafter
+    from dart_infer.methods.eagle3 import CPU_EAGLE3_TREE, Eagle3Drafter, Eagle3TreeSettings
     from dart_infer.model import DartDraftConfig, DartDraftModel
     from dart_infer.target import use_fast_matmul_layout
-    from dart_infer.tree import TreeSearchSettings
+    from dart_infer.tree import CPU_TREE, TreeSearchSettings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -55,7 +49,8 @@ def main() -> None:
     embedding = torch.randn(config.vocab_size, config.hidden_size) * 0.02
     torch.manual_seed(0)
     dart = DartDraftModel(DartDraftConfig.from_target_config(config, draft_vocab_size=args.draft_vocab)).eval()
-    eagle = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(config, draft_vocab_size=args.draft_vocab)).eval()
+    method = get_method("eagle3")
+    eagle = method.head_class(method.config_class.from_target_config(config, draft_vocab_size=args.draft_vocab)).eval()
     for head in (dart, eagle):
         use_fast_matmul_layout(head)
         head.set_target_embedding(embedding)

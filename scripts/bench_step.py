@@ -11,8 +11,9 @@ Both parts print each number beside **the floor measured in the same run**: the 
 needs just to read the target's weights at this machine's memory bandwidth (`--floor-gib` of bf16
 summed by torch on the same threads), since a batch-1 decoding step is bound by that read.
 
-Only public APIs are used, so the same script measures an older checkout (run it from there) for
-before/after numbers.
+Only public APIs are used, so the same script measures another checkout (run it from there) for
+before/after numbers, back to the one that added `dart_infer.resolve` (`--trie` and `--dtype` are
+resolved as the commands resolve `ngram_model` and `serve_dtype`).
 
     python scripts/bench_step.py --threads 2 --dtype bfloat16 --prompts 4     # the shipped head + default trie
     OMP_NUM_THREADS=1 python scripts/bench_step.py --threads 1 --dtype float32 --head random --trie none
@@ -25,7 +26,6 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -110,11 +110,12 @@ def main() -> None:
                         help="for a base model without one: gemma-turns | plain | a .jinja file (as model.chat_template)")
     parser.add_argument("--head", default="dart-smollm2-135m-instruct",
                         help="a DART head name or directory, or `random` (a random head of the demo's shape)")
-    parser.add_argument("--trie", default="auto", help="a trie file; auto: runs/ngram/sharegpt/full.ngt if built; none")
+    parser.add_argument("--trie", default="auto", help="a trie file; auto: dart-eval's default trie when built "
+                        "and fitting the model (runs/ngram/sharegpt/full.ngt); none")
     parser.add_argument("--tree", default="default", help="default: the device's serving tree for the dtype; "
                         "nodes: the micro-benchmark's --nodes tree (top-8, beam 6)")
     parser.add_argument("--floor-gib", type=float, default=1.0, help="GiB read to measure the memory bandwidth")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", help="a dtype name, or auto: bfloat16 where native, else float32")
     parser.add_argument("--context", type=int, default=300, help="cached tokens for the micro-benchmarks")
     parser.add_argument("--nodes", type=int, default=13, help="tree nodes (root included) to verify")
     parser.add_argument("--repeats", type=int, default=200, help="micro-benchmark calls (0: skip them)")
@@ -124,20 +125,26 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
+    from dart_infer.dtypes import as_dtype, resolve_dtype_name
+
+    args.dtype = resolve_dtype_name(args.dtype)
+    dtype = as_dtype(args.dtype)
 
     from transformers import AutoConfig
 
     from dart_infer import DartDraftConfig, DartDraftModel, DartModel
     from dart_infer.assets import resolve_model
     from dart_infer.model import DraftKVCache
+    from dart_infer.resolve import default_trie_path, model_vocabulary, resolve_trie
 
     tree = {"draft_top_k": 8, "beam_width": 6, "remain_total": args.nodes - 1} if args.tree == "nodes" else None
     head = args.head
-    trie = {"none": None, "auto": "runs/ngram/sharegpt/full.ngt"}.get(args.trie, args.trie)
-    if trie is not None and not Path(trie).exists():
-        print(f"no trie at {trie}: DART runs without one (build it with `dart-ngram`)")
-        trie = None
+    trie = resolve_trie(
+        args.trie, vocabulary=lambda: model_vocabulary(args.model, args.chat_template), default=default_trie_path(), key="--trie"
+    )
+    if trie.notice:
+        print(trie.notice)
+    trie = trie.path
     if head == "random":  # a random head with the demo's shape (16k draft vocabulary, 8 rows)
         import tempfile
 

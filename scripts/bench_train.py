@@ -4,12 +4,15 @@
 
 Loads SmolLM2-135M-Instruct (embedded) and ShareGPT train conversations, then trains fresh heads with
 the real DeepSpeed engine, one micro-step of each variant in turn (the machine is noisy: interleaving
-keeps drift out of the ratios; the first round is warm-up and not counted):
+keeps drift out of the ratios; the first round is warm-up and not counted). Each variant is what
+`dart-train` builds (`dart_train.builders`: target, state source, head, loader, settings) from the
+`train` config composed with this script's sizes and the variant's overrides (`ONLINE`, `OFFLINE`):
 - online (the frozen target runs on every batch), target states from
     `autocast`  fp32 weights under bf16 autocast (the old default),
-    `bf16`      a bf16 copy of the target (weights cast once: `states.target_dtype=auto` here),
+    `bf16`      a bf16 copy of the target (weights cast once: `states.target_dtype=bfloat16`, what
+                auto gives where bf16 is native),
   with padded length buckets (`buckets`) or packed rows (`packed`, `trainer.pack_length`), and the
-  head in fp32 or under bf16 autocast (`autocast`, `trainer.autocast=auto` here); `labels`: the
+  head in fp32 or under bf16 autocast (`autocast`, `trainer.autocast=bfloat16`); `labels`: the
   target's top-k soft labels only at positions training reads (what `dart-train` does online);
   `compiled`: the target through torch.compile (`states.compile=true`; the warm-up round compiles);
 - offline: states precomputed once with the bf16 target (timed; bytes per token reported), then
@@ -21,7 +24,6 @@ and the ratios new/old measured in this run.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -30,6 +32,34 @@ import time
 from pathlib import Path
 
 import torch
+
+# Every variant is dart-train's own wiring (`dart_train.builders`) of the `train` config composed with
+# these overrides; (overrides, soft labels only where training reads them).
+BF16, OLD_TARGET = ["states.target_dtype=bfloat16"], ["states.target_dtype=float32", "states.autocast_dtype=bfloat16"]
+BUCKETS, FP32_HEAD, AUTOCAST_HEAD = ["trainer.pack_length=null"], ["trainer.autocast=null"], ["trainer.autocast=bfloat16"]
+OLD, NEW = "online OLD autocast/buckets/fp32", "online NEW bf16/packed/autocast/labels/compiled"
+ONLINE: dict[str, tuple[list[str], bool]] = {
+    OLD: ([*OLD_TARGET, *BUCKETS, *FP32_HEAD], False),
+    "online bf16/buckets/fp32": ([*BF16, *BUCKETS, *FP32_HEAD], False),
+    "online bf16/packed/fp32": ([*BF16, *FP32_HEAD], False),
+    "online bf16/packed/autocast": ([*BF16, *AUTOCAST_HEAD], False),
+    "online bf16/packed/autocast/labels": ([*BF16, *AUTOCAST_HEAD], True),
+    NEW: ([*BF16, *AUTOCAST_HEAD, "states.compile=true"], True),
+}
+OFFLINE = {"offline OLD buckets/fp32": [*BUCKETS, *FP32_HEAD], "offline NEW packed/autocast": AUTOCAST_HEAD}
+
+
+def base_overrides(args: argparse.Namespace) -> list[str]:
+    """The `train` config of every variant: this script's sizes, a fresh head, no evaluation or wandb."""
+    return [
+        "model=custom", f"model.name_or_path={args.model}", "data=sharegpt", f"data.limit={args.conversations}",
+        f"preprocess.max_length={args.max_length}", "trainer=cpu", "trainer.grad_accum=1",
+        "trainer.max_steps=1000000", f"trainer.max_tokens={args.max_tokens}",
+        f"trainer.pack_length={args.pack_length or args.max_length}", f"trainer.max_anchors={args.max_anchors}",
+        "trainer.save_every=null", "optim.warmup_steps=1", "draft=default", f"draft.draft_vocab_size={args.draft_vocab}",
+        f"states.topk={args.topk}", "train_eval=off", "logging.progress=false", "logging.log_every=1000000",
+        "logging.wandb.enabled=false", "seed=0",
+    ]
 
 
 def main() -> None:
@@ -51,49 +81,56 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
+    from hydra import compose, initialize_config_dir
+    from omegaconf import DictConfig, open_dict
 
-    from dart_infer.assets import resolve_model
+    from dart_infer.cli import configs_dir
     from dart_infer.conversations import load_conversations
-    from dart_infer.dtypes import cast_parameters
-    from dart_infer.loading import load_tokenizer
-    from dart_infer.model import DartDraftConfig, DartDraftModel
-    from dart_infer.target import TargetModel
-    from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
+    from dart_train.builders import (
+        build_head,
+        load_target,
+        make_loader,
+        make_state_source,
+        settings_from_config,
+        states_target_dtype,
+        template_kwargs,
+        vocab_mapping_fn,
+    )
     from dart_train.dataset import build_dataset
-    from dart_train.engine import DartTrainer, TrainSettings
-    from dart_train.online_states import OnlineStateSource
+    from dart_train.engine import DartTrainer
     from dart_train.state_cache import cache_bytes_per_token
-    from dart_train.state_cache_reader import OfflineStateSource
-    from dart_train.state_cache_writer import precompute_states
-    from dart_train.vocab import build_vocab_mapping
 
-    path = resolve_model(args.model)
-    fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    embedding = fp32.get_input_embeddings().weight.detach()
-    target_fp32 = TargetModel(fp32)
-    target_bf16 = TargetModel(cast_parameters(copy.deepcopy(fp32), torch.bfloat16))  # as dart-train does
-    tokenizer = load_tokenizer(path, args.chat_template)
-    conversations = load_conversations("sharegpt", split="train", limit=args.conversations)
-    dataset = build_dataset(conversations, tokenizer, args.max_length)
-    mapping = build_vocab_mapping(dataset.sequences, target_fp32.vocab_size, args.draft_vocab)
+    initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3")
+
+    def config(*overrides: str) -> DictConfig:
+        cfg = compose(config_name="train", overrides=[*base_overrides(args), *overrides])
+        with open_dict(cfg):  # set here, not as an override: a Jinja string would need Hydra quoting
+            cfg.model.chat_template = args.chat_template
+        return cfg
+
+    targets: dict[object, tuple] = {}  # (target, tokenizer, embedding) per states dtype: loaded once each
+
+    def target_for(cfg: DictConfig) -> tuple:
+        dtype = states_target_dtype(cfg)
+        if dtype not in targets:
+            targets[dtype] = load_target(cfg)
+        return targets[dtype]
+
+    base = config(*BF16)
+    _, tokenizer, _ = target_for(base)
+    conversations = load_conversations(str(base.data.source), split=base.data.split, limit=base.data.limit)
+    dataset = build_dataset(conversations, tokenizer, int(base.preprocess.max_length), template_kwargs=template_kwargs(base))
     pack_length = max(args.pack_length or args.max_length, max(dataset.lengths))
 
-    def sampler(kind: str):
-        if kind == "packed":
-            return PackedBatchSampler(dataset.lengths, row_tokens=pack_length,
-                                      max_tokens=max(args.max_tokens, pack_length), seed=0)
-        return LengthBucketBatchSampler(dataset.lengths, max_tokens=max(args.max_tokens, pack_length), seed=0)
-
-    def trainer(source, kind: str, run_dir: Path, draft_autocast: str | None = None) -> DartTrainer:
-        torch.manual_seed(0)
-        config = DartDraftConfig.from_target_config(fp32.config, draft_length=8, draft_vocab_size=args.draft_vocab)
-        head = DartDraftModel(config)
-        head.set_target_embedding(embedding)
-        head.set_vocab_mapping(mapping)
-        settings = TrainSettings(max_steps=10**6, grad_accum=1, max_anchors=args.max_anchors, progress=False,
-                                 log_every=10**6, warmup_steps=1, autocast_dtype=draft_autocast)
-        return DartTrainer(head, source, ResumableLoader(dataset, sampler(kind)), settings, run_dir)
+    def trainer(cfg: DictConfig, run_dir: Path, source: object = None, labels_only: bool = True) -> DartTrainer:
+        target, _, embedding = target_for(cfg)
+        if source is None:
+            source = make_state_source(cfg, target, dataset, run_dir)
+            # dart-train computes soft labels only where training reads them; False: every position
+            # (what it did before), which no config key selects.
+            source.labels_only = labels_only
+        head = build_head(target, cfg, vocab_mapping_fn(cfg, dataset, tokenizer, target.vocab_size), embedding)
+        return DartTrainer(head, source, make_loader(cfg, dataset, tokenizer), settings_from_config(cfg), run_dir)
 
     def batches(loader):
         while True:
@@ -136,39 +173,32 @@ def main() -> None:
           f"rows of {pack_length} tokens", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
-        autocast = OnlineStateSource(target_fp32, topk=args.topk, autocast_dtype=torch.bfloat16)
-        bf16 = OnlineStateSource(target_bf16, topk=args.topk)
-        bf16_labels = OnlineStateSource(target_bf16, topk=args.topk, labels_only=True)
-        compiled = OnlineStateSource(target_bf16, topk=args.topk, labels_only=True, compile=True)
-        old, new = "online OLD autocast/buckets/fp32", "online NEW bf16/packed/autocast/labels/compiled"
         variants = {  # built lazily: --only skips the others' set-up
-            old: lambda: trainer(autocast, "buckets", tmp_path / "a"),
-            "online bf16/buckets/fp32": lambda: trainer(bf16, "buckets", tmp_path / "b"),
-            "online bf16/packed/fp32": lambda: trainer(bf16, "packed", tmp_path / "c"),
-            "online bf16/packed/autocast": lambda: trainer(bf16, "packed", tmp_path / "d", "bfloat16"),
-            "online bf16/packed/autocast/labels": lambda: trainer(bf16_labels, "packed", tmp_path / "g", "bfloat16"),
-            new: lambda: trainer(compiled, "packed", tmp_path / "h", "bfloat16"),
+            name: (lambda overrides=overrides, labels=labels, run=tmp_path / f"online{i}":
+                   trainer(config(*overrides), run, labels_only=labels))
+            for i, (name, (overrides, labels)) in enumerate(ONLINE.items())
         }
         unknown = set(args.only or ()) - set(variants)
         if unknown:
             raise SystemExit(f"--only: no such variant {sorted(unknown)}; the variants: {list(variants)}")
         online = interleaved({name: make() for name, make in variants.items() if not args.only or name in args.only})
         results["online"] = online
-        if old in online and new in online:
-            ratio = online[new]["tokens_per_s"] / online[old]["tokens_per_s"]
+        if OLD in online and NEW in online:
+            ratio = online[NEW]["tokens_per_s"] / online[OLD]["tokens_per_s"]
             results["online_new_over_old"] = ratio
             print(f"online new/old: {ratio:.2f}x", flush=True)
         if not args.skip_offline and not args.only:
+            offline_cfg = config(*BF16, "states=offline", f"states.cache_dir={tmp_path / 'cache'}")
             started = time.perf_counter()
-            manifest = precompute_states(target_bf16, dataset, tmp_path / "cache", topk=args.topk, progress=False)
+            cache = make_state_source(offline_cfg, target_for(offline_cfg)[0], dataset, tmp_path)  # precomputes
             seconds = time.perf_counter() - started
             results["precompute"] = {"seconds": seconds, "tokens_per_s": sum(dataset.lengths) / seconds,
-                                     "bytes_per_token": cache_bytes_per_token(manifest)}
+                                     "bytes_per_token": cache_bytes_per_token(cache.manifest)}
             print(f"precompute (bf16 target): {results['precompute']}", flush=True)
-            cache = OfflineStateSource(tmp_path / "cache", dataset)
             offline = interleaved({
-                "offline OLD buckets/fp32": trainer(cache, "buckets", tmp_path / "e"),
-                "offline NEW packed/autocast": trainer(cache, "packed", tmp_path / "f", "bfloat16"),
+                name: trainer(config(*BF16, "states=offline", f"states.cache_dir={tmp_path / 'cache'}", *overrides),
+                              tmp_path / f"offline{i}", source=cache)
+                for i, (name, overrides) in enumerate(OFFLINE.items())
             })
             results["offline"] = offline
             ratio = offline["offline NEW packed/autocast"]["tokens_per_s"] / offline["offline OLD buckets/fp32"]["tokens_per_s"]

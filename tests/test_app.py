@@ -26,8 +26,8 @@ from helpers import tiny_llama
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.assets import tokenizer_fingerprint
-from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
 from dart_infer.evaluate import chat_prompt
+from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
 from ngram_builder import NgramTrie
 
 DRAFT_VOCAB = 96
@@ -347,7 +347,7 @@ def test_what_cannot_be_loaded_is_said_on_the_page_and_the_rest_serves(tiny_file
 
     no_trie = engine(f"draft_model={tiny_files['head']}", f"eagle3_model={tiny_files['eagle3']}")
     assert no_trie.method_names == [DART_NO_TRIE, AR, EAGLE3]
-    assert any(f"No n-gram trie at {tmp_path / 'none.ngt'}" in n for n in no_trie.notices)
+    assert any(f"ngram_model=auto: the default trie {tmp_path / 'none.ngt'} does not exist" in n for n in no_trie.notices)
     missing = engine(f"draft_model={tiny_files['head']}", f"ngram_model={tmp_path / 'gone.ngt'}")
     assert missing.method_names == [DART_NO_TRIE, AR] and "no such trie" in missing.notices[0]
     with_trie = engine(f"draft_model={tiny_files['head']}", f"ngram_model={tiny_files['trie']}")

@@ -18,14 +18,15 @@ from helpers import (
 )
 from safetensors.torch import save_file
 
-from dart_infer.eagle3 import (
+from dart_infer.generate import DartModel
+from dart_infer.methods.eagle3 import (
     Eagle3DraftConfig,
     Eagle3DraftModel,
-    Eagle3Model,
     Eagle3TreeSettings,
     TreeDraftCache,
     load_eagle3_model,
 )
+from dart_infer.tree import TreeSearchSettings
 
 
 def eagle3_pair(kind: str = "llama", draft_vocab_size: int | None = None, seed: int = 0):
@@ -83,10 +84,10 @@ def test_a_checkpoint_in_the_published_layout_loads(tmp_path: Path) -> None:
 
     # It serves on a base of that shape (aux layers default to (2, L//2, L-3), as vLLM's), losslessly.
     base, _ = tiny_pair()
-    model = Eagle3Model(base, head, tree={"top_k": 3, "depth": 3, "total_tokens": 8})
+    model = DartModel(base, head, tree={"top_k": 3, "depth": 3, "total_tokens": 8})
     assert model.target.aux_layer_ids == (2, 3, 3)
     prompt = torch.tensor([[3, 9, 27, 11]])
-    assert torch.equal(model.eagle3_generate(prompt, max_new_token_num=12), reference(base, prompt, 12))
+    assert torch.equal(model.dart_generate(prompt, max_new_token_num=12), reference(base, prompt, 12))
 
     # Saved again, it keeps that layout: the keys above, no embedding, the published config fields.
     out = tmp_path / "saved"
@@ -124,12 +125,12 @@ TREES = [
 @pytest.mark.parametrize("tree", TREES, ids=["wide", "small", "single"])
 def test_greedy_output_is_identical_to_generate(kind: str, tree: Eagle3TreeSettings) -> None:
     base, head = eagle3_pair(kind, draft_vocab_size=40 if kind == "qwen3" else None)
-    model = Eagle3Model(base, head, tree=tree)
+    model = DartModel(base, head, tree=tree)
     accepted = 0
     for i in range(6):
         prompt = torch.randint(3, 48, (1, 3 + 4 * i), generator=torch.Generator().manual_seed(i))
         expected = reference(base, prompt, 40)
-        out, stats = model.eagle3_generate(prompt, max_new_token_num=40, return_stats=True)
+        out, stats = model.dart_generate(prompt, max_new_token_num=40, return_stats=True)
         assert torch.equal(out, expected), i
         accepted += sum(stats.accept_lengths)
         assert stats.new_tokens == 40 and max(stats.tree_sizes) <= tree.total_tokens
@@ -142,9 +143,9 @@ def test_a_head_that_drafts_the_target_is_accepted_deeply() -> None:
     target's own greedy tokens in the tree, acceptance reaches the full depth (the tree's paths,
     positions and the draft cache across steps line up with the target's)."""
     base, head = eagle3_pair()
-    model = Eagle3Model(base, head, tree={"top_k": 48, "depth": 3, "total_tokens": 48 * 3})
+    model = DartModel(base, head, tree={"top_k": 48, "depth": 3, "total_tokens": 48 * 3})
     prompt = torch.tensor([[5, 17, 33, 8, 21]])
-    out, stats = model.eagle3_generate(prompt, max_new_token_num=30, return_stats=True)
+    out, stats = model.dart_generate(prompt, max_new_token_num=30, return_stats=True)
     assert torch.equal(out, reference(base, prompt, 30))
     # top_k = vocabulary at level 1: every step accepts at least one token.
     assert min(stats.accept_lengths) >= 1
@@ -154,7 +155,7 @@ def test_dynamic_tree_is_eagle2s() -> None:
     """Level sizes, cumulative-probability selection, parents and masks of `expand_tree`."""
     base, head = eagle3_pair(draft_vocab_size=30)
     head.set_target_embedding(base.get_input_embeddings().weight)
-    from dart_infer.eagle3 import Eagle3Drafter
+    from dart_infer.methods.eagle3 import Eagle3Drafter
 
     drafter = Eagle3Drafter(head, Eagle3TreeSettings(top_k=3, depth=4, total_tokens=10))
     aux = torch.randn(1, 6, 3 * 32, generator=torch.Generator().manual_seed(0))
@@ -195,21 +196,28 @@ def test_tree_draft_cache_stages_after_the_prefix_and_discards() -> None:
 
 def test_stream_with_dtype_and_errors() -> None:
     base, head = eagle3_pair()
-    model = Eagle3Model(base, head, tree={"top_k": 4, "depth": 3, "total_tokens": 8})
+    model = DartModel(base, head, tree={"top_k": 4, "depth": 3, "total_tokens": 8})
     prompt = torch.tensor([[3, 4, 5, 6]])
-    steps = list(model.eagle3_generate_stream(prompt, max_new_token_num=20))
+    steps = list(model.dart_generate_stream(prompt, max_new_token_num=20))
     assert sum(len(s.tokens) for s in steps) == 20 and steps[-1].finished
     assert model.last_stats is not None and model.last_stats.tau >= 1.0
     copy = model.with_dtype("bfloat16")
-    assert isinstance(copy, Eagle3Model) and copy.draft_model.fc.weight.dtype == torch.bfloat16
+    assert copy.method.name == "eagle3" and copy.draft_model.fc.weight.dtype == torch.bfloat16
     assert copy.tree == model.tree
-    assert copy.eagle3_generate(prompt, max_new_token_num=5).shape == (1, 9)
-    with pytest.raises(TypeError, match="eagle3_generate"):
-        model.dart_generate(prompt)
+    assert copy.dart_generate(prompt, max_new_token_num=5).shape == (1, 9)
+    # Per-call settings are the head's method's: EAGLE-3's names, not DART's.
+    assert torch.equal(model.dart_generate(prompt, max_new_token_num=12, tree={"total_tokens": 3}),
+                       reference(base, prompt, 12))
     with pytest.raises(TypeError, match="unknown EAGLE-3 tree settings"):
-        Eagle3Model(base, head, tree={"draft_top_k": 3})
-    with pytest.raises(TypeError, match="Eagle3DraftModel"):
-        Eagle3Model(base, tiny_pair()[1])
+        model.dart_generate(prompt, tree={"remain_total": 3})
+    with pytest.raises(TypeError, match="unknown EAGLE-3 tree settings"):
+        DartModel(base, head, tree={"draft_top_k": 3})
+    with pytest.raises(TypeError, match="EAGLE-3 tree settings must be Eagle3TreeSettings"):
+        DartModel(base, head, tree=TreeSearchSettings())
+    with pytest.raises(ValueError, match="EAGLE-3 decoding uses no n-gram trie"):
+        DartModel(base, head, trie=object())
+    with pytest.raises(TypeError, match="no draft method serves a Linear"):
+        DartModel(base, torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize(
@@ -221,8 +229,8 @@ def test_sampling_emits_the_targets_distribution(temperature: float, top_k: int,
     base = small_vocab_dart(vocab).base_model
     torch.manual_seed(1)
     head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(base.config)).eval()
-    model = Eagle3Model(base, head, tree={"top_k": vocab, "depth": 3, "total_tokens": 24})
-    check_first_step_follows_the_target(model, model.eagle3_generate, temperature, top_k, top_p)
+    model = DartModel(base, head, tree={"top_k": vocab, "depth": 3, "total_tokens": 24})
+    check_first_step_follows_the_target(model, model.dart_generate, temperature, top_k, top_p)
 
 
 @pytest.mark.smollm2
@@ -238,11 +246,11 @@ def test_smollm2_greedy_is_lossless(smollm2_dir: str, smollm2_tokenizer) -> None
     torch.manual_seed(0)
     head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(base.config, draft_vocab_size=4096))
     head.set_vocab_mapping(torch.randperm(base.config.vocab_size)[:4096].sort().values)
-    model = Eagle3Model(base, head.eval(), smollm2_tokenizer)
+    model = DartModel(base, head.eval(), smollm2_tokenizer)
     assert model.tree.total_tokens == 12  # the CPU default
     for conversation in load_conversations("mtbench", limit=1):
         prompt = smollm2_tokenizer.apply_chat_template(
             conversation.messages[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
         expected = base.generate(prompt, do_sample=False, max_new_tokens=32)
-        assert torch.equal(model.eagle3_generate(prompt, max_new_token_num=32), expected), conversation.id
+        assert torch.equal(model.dart_generate(prompt, max_new_token_num=32), expected), conversation.id

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 
 def test_dart_train_eagle3_end_to_end(tiny_checkpoint, conversations_file, tmp_path) -> None:
-    from dart_infer.eagle3 import Eagle3Model
+    from dart_infer.generate import DartModel
 
     out = tmp_path / "run"
     args = ["draft=eagle3", *train_overrides(tiny_checkpoint, conversations_file, out)]
@@ -30,12 +30,13 @@ def test_dart_train_eagle3_end_to_end(tiny_checkpoint, conversations_file, tmp_p
     config = json.loads((out / "head" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 512
     assert config["ttt_length"] == 3 and len(config["eagle_aux_hidden_state_layer_ids"]) == 3
-    model = Eagle3Model.from_pretrained(str(tiny_checkpoint), str(out / "head"))
+    model = DartModel.from_pretrained(str(tiny_checkpoint), str(out / "head"))  # the method from config.json
+    assert model.method.name == "eagle3"
     prompt = model.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Count from 3 to 8, please."}], add_generation_prompt=True, return_tensors="pt",
         return_dict=True,
     )["input_ids"]
-    generated = model.eagle3_generate(prompt, max_new_token_num=8)
+    generated = model.dart_generate(prompt, max_new_token_num=8)
     reference = model.base_model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert torch.equal(generated[0, : reference.shape[1]], reference[0, : generated.shape[1]])
 

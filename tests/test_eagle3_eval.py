@@ -10,8 +10,8 @@ import torch
 from helpers import run_dart_eval
 
 from dart_infer.conversations import load_conversations
-from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, Eagle3Model
 from dart_infer.evaluate import EvalSettings, Evaluator
+from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,11 @@ def eagle3_head(tiny_dart) -> Path:
 
 def test_evaluator_runs_eagle3_beside_dart(tiny_dart, eagle3_head) -> None:
     model, _ = tiny_dart
-    from dart_infer.eagle3 import load_eagle3_model
+    from dart_infer.methods import load_head
 
-    eagle3 = Eagle3Model(model.base_model, load_eagle3_model(str(eagle3_head)), model.tokenizer,
-                         tree={"top_k": 4, "depth": 3, "total_tokens": 8})
+    head, method = load_head(str(eagle3_head))
+    assert method.name == "eagle3"
+    eagle3 = model.with_head(head, tree={"top_k": 4, "depth": 3, "total_tokens": 8})
     settings = EvalSettings(methods=["ar", "dart", "eagle3"], max_new_tokens=10)
     records = Evaluator(model, settings, eagle3=eagle3).run("mtbench", load_conversations("mtbench", limit=2),
                                                            progress=False)
@@ -38,6 +39,8 @@ def test_evaluator_runs_eagle3_beside_dart(tiny_dart, eagle3_head) -> None:
     assert all(r.steps and r.step_tokens == r.new_tokens - 1 for r in ours)
     with pytest.raises(ValueError, match="eagle3_model"):
         Evaluator(model, settings)
+    with pytest.raises(ValueError, match="eagle3_model"):  # a DART head is not an EAGLE-3 one
+        Evaluator(model, settings, eagle3=model)
 
 
 def test_cli_eagle3_method(tiny_dart, eagle3_head, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_llama
 from transformers import LlamaForCausalLM
 
-from dart_infer.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, chain_logits
+from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, chain_logits
 from dart_infer.target import TargetModel
 from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
 
@@ -116,8 +116,8 @@ def test_ttt_loss_trains_the_head_and_reaches_every_step() -> None:
 
 def test_simulated_tau_matches_eagle3_generate_on_greedy_data() -> None:
     """On target-greedy data, simulated acceptance per anchor (EAGLE-3's own tree, `anchor_trees`)
-    equals `Eagle3Model`'s acceptance at that decoding step."""
-    from dart_infer.eagle3 import Eagle3Model
+    equals serving's acceptance (a `DartModel` with the EAGLE-3 head) at that decoding step."""
+    from dart_infer.generate import DartModel
     from dart_train.dataset import TokenizedDataset
     from dart_train.evaluate import SimulatedTau
     from dart_train.online_states import OnlineStateSource
@@ -128,11 +128,11 @@ def test_simulated_tau_matches_eagle3_generate_on_greedy_data() -> None:
     torch.manual_seed(11)
     head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(base.config, ttt_length=5)).eval()
     tree = {"top_k": 4, "depth": 4, "total_tokens": 16}
-    model = Eagle3Model(base, head, tree=tree)
+    model = DartModel(base, head, tree=tree)
     sequences, steps = [], []
     for i in range(3):
         prompt = torch.randint(0, vocab, (6 + i,), generator=torch.Generator().manual_seed(20 + i))
-        out, stats = model.eagle3_generate(prompt, max_new_token_num=30, return_stats=True)
+        out, stats = model.dart_generate(prompt, max_new_token_num=30, return_stats=True)
         seq = out[0]
         mask = torch.zeros(seq.numel(), dtype=torch.bool)
         mask[prompt.numel() :] = True

@@ -337,5 +337,6 @@ def test_app_serves_without_a_corrupt_trie_and_says_why(built, tmp_path: Path, a
     model = SimpleNamespace(tokenizer=None, target=SimpleNamespace(vocab_size=built["vocab"]))
     trie, notice = load_trie(_compose("app", *given), model)
     assert trie is None
-    assert notice.startswith(f"{bad}: corrupt trie (child offset ")
+    said = "ngram_model=auto: " if auto else ""  # as dart-eval says it (dart_infer.resolve)
+    assert notice.startswith(f"{said}{bad}: corrupt trie (child offset ")
     assert notice.endswith("; DART runs without a trie.") and "\n" not in notice

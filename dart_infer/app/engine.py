@@ -1,14 +1,14 @@
 """What `dart-app` runs behind its page, without Gradio: the methods a loaded model offers, one
 streamed answer per call, and the HTML the page shows for it.
 
-Every method streams through the one decoding loop of `dart_infer.decoding` (`dart_generate_stream`,
-`ar_generate_stream` of `DartModel`, `eagle3_generate_stream` of `Eagle3Model`), one step per
-iteration; `Engine.stream` checks a stop request before every step, and `throttle` caps how often
+Every method streams through the one decoding loop of `dart_infer.decoding` (`dart_generate_stream`
+of a `DartModel` with a head of that method, `ar_generate_stream`), one step per iteration; `Engine.stream` checks a stop request before every step, and `throttle` caps how often
 the page is updated without batching the steps themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -120,7 +120,9 @@ def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
 
 
 class Engine:
-    """A loaded `DartModel` and the methods it offers, by display name.
+    """A loaded `DartModel` and the methods it offers, by display name: its head's method (DART, with
+    or without a trie, or another method's name) when it has a head, plain decoding, and EAGLE-3 on the
+    same target when `eagle3` is given (`load_eagle3_stream`).
 
     `notices` are what the page says at the top about what was (not) loaded: a missing head or trie,
     an EAGLE-3 head that cannot be served yet. `stream` runs one method on a conversation.
@@ -130,7 +132,6 @@ class Engine:
         self,
         model: Any,
         *,
-        has_head: bool = True,
         eagle3: StreamFn | None = None,
         notices: Sequence[str] = (),
         max_length: int = 2048,
@@ -144,10 +145,12 @@ class Engine:
         self.notices = list(notices)
         self.defaults = defaults or Decoding()
         self.update_interval = update_interval  # seconds between page updates of a streamed answer
-        self.draft_length = int(model.draft_model.config.draft_length) if has_head else 0
+        self.draft_length = model.draft_depth  # 0 without a head: the page's tree-size control is off
         self.methods: dict[str, StreamFn] = {}
-        if has_head:
-            self.methods[DART if model.trie is not None else DART_NO_TRIE] = self._dart
+        method = model.method
+        if method is not None:
+            name = (DART if model.trie is not None else DART_NO_TRIE) if method.uses_trie else method.display_name
+            self.methods[name] = self._dart
         self.methods[AR] = self._ar
         if eagle3 is not None:
             self.methods[EAGLE3] = eagle3
@@ -158,7 +161,14 @@ class Engine:
 
     @property
     def tree_size(self) -> int:
-        return int(self.model.tree.remain_total)
+        """The page's tree-size control: the head's verified nodes per step; without a head (the control
+        is off) the size DART would use on this device."""
+        from dart_infer.methods import get_method
+
+        method, target = self.model.method, self.model.target
+        if method is None:
+            return int(get_method("dart").default_tree(target.device, target.dtype).remain_total)
+        return int(getattr(self.model.tree, method.tree_size_field))
 
     def warm_up(self) -> None:
         """A few tokens through every method, so the first request's tokens/s is not the first call's."""
@@ -167,7 +177,7 @@ class Engine:
                 pass
 
     def _dart(self, ids: torch.Tensor, d: Decoding, generator: torch.Generator) -> Iterator[StepOutput]:
-        tree = None if d.tree_size is None else {"remain_total": d.tree_size}
+        tree = None if d.tree_size is None else {self.model.method.tree_size_field: d.tree_size}
         return self.model.dart_generate_stream(
             ids, d.temperature, d.top_p, d.top_k, d.max_new_tokens, self.max_length, generator=generator, tree=tree
         )
@@ -205,6 +215,8 @@ class Engine:
         if method not in self.methods:
             raise ValueError(f"method {method!r} is not loaded here; choose one of {self.method_names}")
         settings.check()
+        if self.draft_length == 0:  # no head: the tree-size control is off, every method uses its own tree
+            settings = dataclasses.replace(settings, tree_size=None)
         ids = self.prompt_ids(messages)
         generator = torch.Generator().manual_seed(settings.seed)
         steps = self.methods[method](ids, settings, generator)  # arguments are checked here
@@ -261,20 +273,19 @@ def throttle(answers: Iterator[Answer], interval: float) -> Iterator[Answer]:
 
 
 def load_eagle3_stream(model: Any, path: str, max_length: int = 2048) -> StreamFn:
-    """The EAGLE-3 method: the head at `path` (`dart_infer.eagle3`) on `model`'s base model (shared,
-    not copied), decoding through the same loop as DART; the page's tree size is its `total_tokens`.
-    Raises with the reason when the head cannot be loaded or does not fit the base model."""
-    from dart_infer.assets import resolve_model
-    from dart_infer.dtypes import cast_parameters
-    from dart_infer.eagle3 import Eagle3Model, load_eagle3_model
+    """The EAGLE-3 method: the EAGLE-3 head at `path` on `model`'s base model (shared, not copied),
+    decoding through the same loop as DART; the page's tree size is its method's tree-size field.
+    Raises with the reason when the head cannot be loaded, is not an EAGLE-3 head or does not fit."""
+    from dart_infer.methods import load_head
 
-    weight = model.base_model.get_input_embeddings().weight
-    head = cast_parameters(load_eagle3_model(resolve_model(path)).to(weight.device), weight.dtype)
-    eagle3 = Eagle3Model(model.base_model, head.eval(), model.tokenizer).eval()
+    head, method = load_head(path)
+    if method.name != "eagle3":
+        raise ValueError(f"{path} is a {method.display_name} head, not an EAGLE-3 head")
+    eagle3 = model.with_head(head)
 
     def stream(ids: torch.Tensor, d: Decoding, generator: torch.Generator) -> Iterator[StepOutput]:
-        tree = None if d.tree_size is None else {"total_tokens": d.tree_size}
-        return eagle3.eagle3_generate_stream(
+        tree = None if d.tree_size is None else {method.tree_size_field: d.tree_size}
+        return eagle3.dart_generate_stream(
             ids, d.temperature, d.top_p, d.top_k, d.max_new_tokens, max_length, generator=generator,
             tree=tree,
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,28 +17,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from dart_infer.cli import hydra_app
 from dart_infer.dtypes import resolve_dtype_name
+from dart_infer.errors import InputError
 
 log = logging.getLogger(__name__)
 
 
-def _placeholder_head(base_model: Any) -> Any:
-    """A tiny random head so plain decoding runs through `DartModel` when no head is loaded.
-    The engine never offers DART with it (`has_head=False`)."""
-    from dart_infer.model import DartDraftConfig, DartDraftModel
-
-    head = DartDraftModel(DartDraftConfig.from_target_config(base_model.config, draft_length=2, draft_vocab_size=16))
-    head.set_vocab_mapping(torch.arange(16))
-    return head.eval()
-
-
 def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
-    """(DartModel, whether it has a real head, notices for the page)."""
+    """(DartModel, whether it has a head, notices for the page). Without a head (none given, or one that
+    cannot be loaded or does not fit the base model) the model has none and decodes plainly."""
     from transformers import AutoModelForCausalLM
 
     from dart_infer.assets import resolve_model
     from dart_infer.dtypes import as_dtype, cast_parameters
     from dart_infer.generate import DartModel
-    from dart_infer.loading import load_draft_model, load_tokenizer
+    from dart_infer.loading import load_tokenizer
+    from dart_infer.methods import load_head
 
     notices: list[str] = []
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
@@ -49,7 +41,7 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
                        "Start with `dart-app draft_model=<head directory>` (config.json + model.safetensors).")
     else:
         try:
-            head = load_draft_model(resolve_model(str(cfg.draft_model)))
+            head, _ = load_head(str(cfg.draft_model))
         except Exception as err:  # any reason: the page says which and still serves plain decoding
             notices.append(f"The DART head draft_model={cfg.draft_model} could not be loaded ({err}); "
                            "DART is off, plain decoding only.")
@@ -60,20 +52,18 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
                        "rendered: start with model.chat_template=gemma-turns|plain|<file.jinja> (the one the "
                        "head was trained with).")
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=as_dtype(dtype), attn_implementation="sdpa")
-    has_head = head is not None
-    head = head if has_head else _placeholder_head(base)
-    head = cast_parameters(head.to(base.device), base.get_input_embeddings().weight.dtype)
+    if head is not None:
+        head = cast_parameters(head.to(base.device), base.get_input_embeddings().weight.dtype)
     try:
-        model = DartModel(base, head, tokenizer, None, tree=tree)
-    except ValueError as err:  # a head for another target
-        if not has_head:
+        model = DartModel(base, head, tokenizer, None, tree=tree if head is not None else None)
+    except (ValueError, TypeError) as err:  # a head for another target, or tree settings of another method
+        if head is None:
             raise
         notices.append(f"The DART head draft_model={cfg.draft_model} does not fit {cfg.model.name_or_path} "
                        f"({err}); DART is off, plain decoding only.")
-        has_head = False
-        model = DartModel(base, cast_parameters(_placeholder_head(base), head.fc.weight.dtype), tokenizer, None,
-                          tree=tree)
-    if has_head:
+        model = DartModel(base, None, tokenizer)
+    has_head = model.draft_model is not None
+    if has_head and model.method.uses_trie:
         trie, note = load_trie(cfg, model)
         model.trie = trie
         if note:
@@ -82,31 +72,18 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
 
 
 def load_trie(cfg: DictConfig, model: Any) -> tuple[Any, str | None]:
-    """(trie or None, a notice or None). `ngram_model: auto` takes `default_ngram_model` when it exists
-    and fits the tokenizer; a trie that is missing, corrupt or does not fit is said on the page (DART then
-    runs without one, as the README says for dart-app)."""
-    from dart_infer.assets import resolve_model
-    from dart_infer.loading import check_trie_matches_tokenizer
-    from dart_infer.loading import load_trie as read_trie
-    from ngram_builder import NgramFormatError
+    """(trie or None, a notice or None), resolved as `dart-eval` does (`dart_infer.resolve`); a trie that
+    is missing, corrupt or does not fit is said on the page instead of stopping it (DART then runs
+    without one, as the README says for dart-app)."""
+    from dart_infer.resolve import trie_from_config
 
-    value = cfg.ngram_model
-    if value is None or str(value).lower() in ("", "none", "null"):
-        return None, None
-    auto = str(value) == "auto"
-    path = Path(cfg.default_ngram_model if auto else resolve_model(str(value)))
-    if not path.exists():
-        if auto:
-            return None, (f"No n-gram trie at {path} (build it with `dart-ngram`): DART runs without a trie.")
-        return None, f"ngram_model={value}: no such trie file or directory; DART runs without a trie."
     try:
-        trie = read_trie(path, mmap=bool(cfg.ngram_mmap), verify=bool(cfg.get("ngram_verify", False)))
-        check_trie_matches_tokenizer(trie, model.tokenizer, model.target.vocab_size)
-    except NgramFormatError as err:  # corrupt or unreadable: the message names the file and how to rebuild it
+        choice = trie_from_config(cfg, (model.tokenizer, model.target.vocab_size))
+    except (InputError, OSError) as err:  # an explicit trie: the message names the key or the file
         return None, f"{err}; DART runs without a trie."
-    except (ValueError, OSError) as err:
-        return None, f"The trie {path} cannot be used with this model ({err}); DART runs without a trie."
-    return trie, None
+    if choice.trie is None and choice.notice:
+        return None, f"{choice.notice}."
+    return choice.trie, None
 
 
 def build_engine(cfg: DictConfig) -> Any:
@@ -120,7 +97,7 @@ def build_engine(cfg: DictConfig) -> Any:
                         int(cfg.max_new_tokens), int(cfg.seed))
     defaults.check()  # bad defaults fail before the model loads
     torch.manual_seed(int(cfg.seed))
-    model, has_head, notices = load_model(cfg, dtype)
+    model, _, notices = load_model(cfg, dtype)
     eagle3 = None
     if cfg.eagle3_model:
         try:
@@ -130,7 +107,7 @@ def build_engine(cfg: DictConfig) -> Any:
     if dtype != "float32":
         notices.append(f"Serving in {dtype} (fast mode): answers may differ from float32 plain decoding "
                        "after a while; serve_dtype=float32 is the exactness mode.")
-    engine = Engine(model, has_head=has_head, eagle3=eagle3, notices=notices, max_length=int(cfg.max_length),
+    engine = Engine(model, eagle3=eagle3, notices=notices, max_length=int(cfg.max_length),
                     defaults=defaults, update_interval=1.0 / float(cfg.updates_per_second))
     engine.warm_up()
     return engine

@@ -60,7 +60,7 @@ MISSING = "???"
 @functools.cache
 def _settings_types() -> dict[str, dict[str, Any]]:
     """Field name -> type for the nodes that are settings dataclasses (any field may be set there)."""
-    from dart_infer.eagle3 import Eagle3TreeSettings
+    from dart_infer.methods import get_method
     from dart_infer.tree import TreeSearchSettings
 
     def types(cls: type) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def _settings_types() -> dict[str, dict[str, Any]]:
         return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
     tree = types(TreeSearchSettings)
-    return {"tree": tree, "train_eval.tree": tree, "eagle3_tree": types(Eagle3TreeSettings)}
+    return {"tree": tree, "train_eval.tree": tree, "eagle3_tree": types(get_method("eagle3").tree_settings_class)}
 
 
 def leaves(node: Any, prefix: str = "") -> dict[str, Any]:

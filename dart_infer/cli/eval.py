@@ -139,51 +139,21 @@ def _dtypes(cfg: DictConfig) -> tuple[torch.dtype, list[torch.dtype]]:
 
 
 def resolve_trie(cfg: DictConfig) -> str | None:
-    """The trie file to load (None: no trie), decided before any model loads.
+    """The trie file to load (None: no trie), decided before any model loads (`dart_infer.resolve`).
 
     `auto`: `default_ngram_model` when it exists and was built with this model's tokenizer, else
-    None with one message saying so; null/"none": None; a path: it must exist and load (a corrupt
+    None with one line saying so; null/"none": None; a path: it must exist, load and fit (a corrupt
     file is refused here; `ngram_verify` adds the payload checksum to the load's structural check).
     """
-    from ngram_builder import NgramFormatError
+    from dart_infer.resolve import model_vocabulary, trie_from_config
 
-    value = cfg.ngram_model
-    verify = bool(cfg.get("ngram_verify", False))
-    if value is None or str(value).lower() in ("none", "null", ""):
-        return None
-    if str(value) != "auto":
-        if not Path(value).exists():
-            raise FileNotFoundError(f"ngram_model={value}: no such trie file or directory")
-        from dart_infer.loading import load_trie
+    def vocabulary() -> tuple[Any, int]:
+        return model_vocabulary(cfg.model.name_or_path, cfg.model.get("chat_template"))
 
-        try:
-            load_trie(value, verify=verify)
-        except NgramFormatError as err:  # names the file and what to do
-            raise InputError(str(err)) from err
-        return str(value)
-    default = Path(cfg.default_ngram_model)
-    if not default.exists():
-        print(f"ngram_model=auto: the default trie {default} does not exist (build it with `dart-ngram`); "
-              "DART runs without a trie", flush=True)
-        return None
-    from transformers import AutoConfig
-
-    from dart_infer.loading import check_trie_matches_tokenizer, load_tokenizer, load_trie
-
-    path = resolve_model(cfg.model.name_or_path)
-    vocab = AutoConfig.from_pretrained(path).get_text_config(decoder=True).vocab_size
-    tokenizer = load_tokenizer(path, cfg.model.get("chat_template"))
-    try:
-        check_trie_matches_tokenizer(load_trie(default, verify=verify), tokenizer, int(vocab))
-    except NgramFormatError as err:  # corrupt or unreadable: the message names the file and the fix
-        print(f"ngram_model=auto: {err}; DART runs without a trie", flush=True)
-        return None
-    except ValueError as err:
-        print(f"ngram_model=auto: the default trie {default} does not fit this model ({err}); "
-              "DART runs without a trie", flush=True)
-        return None
-    print(f"ngram_model=auto: using the default trie {default}", flush=True)
-    return str(default)
+    choice = trie_from_config(cfg, vocabulary, mmap=True)  # the model loads it again, as configured
+    if choice.notice:
+        print(choice.notice, flush=True)
+    return choice.path
 
 
 def methods_for(methods: Sequence[str], trie: str | None) -> list[str]:
@@ -216,20 +186,19 @@ def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
 
 
 def load_eagle3(cfg: DictConfig, model: Any) -> Any:
-    """The `eagle3` method's `Eagle3Model` (None unless it is asked for): the head at `eagle3_model` on
-    the serving model's target (shared, not loaded again), in its dtype, with `eagle3_tree` overrides."""
+    """The `eagle3` method's model (None unless it is asked for): the serving model's target (shared,
+    not loaded again) with the EAGLE-3 head at `eagle3_model`, in its dtype, with `eagle3_tree` overrides."""
     if "eagle3" not in cfg.methods:
         return None
     if not cfg.get("eagle3_model"):
         raise InputError("methods: 'eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
-    from dart_infer.dtypes import cast_parameters
-    from dart_infer.eagle3 import Eagle3Model, load_eagle3_model
+    from dart_infer.methods import load_head
 
-    head = load_eagle3_model(str(cfg.eagle3_model))
-    weight = model.base_model.get_input_embeddings().weight
-    head = cast_parameters(head.to(device=weight.device), weight.dtype)
+    head, method = load_head(str(cfg.eagle3_model))
+    if method.name != "eagle3":
+        raise InputError(f"eagle3_model={cfg.eagle3_model}: that is a {method.display_name} head, not an EAGLE-3 one")
     tree = OmegaConf.to_container(cfg.eagle3_tree, resolve=True) if cfg.get("eagle3_tree") else None
-    return Eagle3Model(model.base_model, head, model.tokenizer, tree=tree, profile=model.profile).eval()
+    return model.with_head(head, tree=tree)
 
 
 def load_model(cfg: DictConfig, trie: str | None) -> Any:
@@ -296,7 +265,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
         print(f"stopped: {store.count(units)} of {len(units)} measurements are saved in {store.path}; the same "
               f"command with out_dir={cfg.out_dir} measures only the rest", file=sys.stderr, flush=True)
         raise
-    summary = summarize(records, max(model.draft_model.config.draft_length, eagle3.tree.depth if eagle3 else 0))
+    summary = summarize(records, max(model.draft_depth, eagle3.draft_depth if eagle3 else 0))
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
         "serving_dtype": dtype_name(model.target.dtype),
