@@ -436,7 +436,7 @@ def test_serving_accepts_more_on_text_that_repeats_itself() -> None:
 
 
 def test_serving_keeps_one_context_model_per_request(monkeypatch) -> None:
-    import dart_infer.decoding as decoding
+    import dart_infer.methods.dart as dart_method
 
     seen: list[tuple[ContextNgram, int, int]] = []  # (the model, its length after the call, history length)
 
@@ -445,7 +445,7 @@ def test_serving_keeps_one_context_model_per_request(monkeypatch) -> None:
         seen.append((contexts[0], len(contexts[0]), len(args[2][0])))
         return trees
 
-    monkeypatch.setattr(decoding, "draft_trees", recording)
+    monkeypatch.setattr(dart_method, "draft_trees", recording)
     base, head = bigram_machine()
     model = DartModel(base, head, tree=TreeSearchSettings(draft_top_k=4, beam_width=4, remain_total=8,
                                                           context_ngram_weight=0.5))
