@@ -81,8 +81,7 @@ def tiny_dart(smollm2_tokenizer, tmp_path_factory):
 
     from dart_infer import DartDraftConfig, DartDraftModel, DartModel
     from dart_infer.assets import tokenizer_fingerprint
-    from dart_infer.conversations import load_conversations
-    from dart_infer.evaluate import chat_prompt
+    from dart_infer.conversations import chat_prompt, load_conversations
     from ngram_builder import NgramTrie
 
     vocab = 49152  # SmolLM2's tokenizer drives the chat template, so the tiny target shares its vocabulary
@@ -148,3 +147,24 @@ def tiny_dataset():
         mask[n // 3 :] = True
         sequences.append({"input_ids": ids, "loss_mask": mask})
     return TokenizedDataset(sequences)
+
+
+@pytest.fixture(scope="session")
+def vllm_target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A tiny random Llama that vLLM's CPU backend loads: head_dim 32 (its attention takes 32..512,
+    not the 8 of the other tests' models), 8 layers (so the default aux layers (2, 4, 5) are distinct:
+    vLLM captures a set), peaked random weights (varied greedy text, no near-ties), SmolLM2's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.3,
+        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    smollm2_tokenizer.save_pretrained(out)
+    return out

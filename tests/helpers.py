@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -363,3 +365,26 @@ def losses(run_dir: Path) -> list[float]:
     """The training losses a run logged, in order."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Tiny models' ops on one thread: a second one only waits (30x slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def load_target(target_dir: Path):
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    base.generation_config.eos_token_id = None  # fixed-length outputs, as vLLM's ignore_eos
+    return base

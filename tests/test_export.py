@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, VLLM_VENV, load_target, one_thread
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -22,50 +21,9 @@ from dart_infer.export import SPEC_CONFIG_FILE, export_head
 from dart_infer.generate import DartModel
 from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, load_eagle3_model
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "1, 2, 3, 4, 5,"]
 SPEC_TOKENS = 3
 MAX_NEW = 32
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
-    """A tiny random Llama that vLLM's CPU backend loads: head_dim 32 (its attention takes 32..512,
-    not the 8 of the other tests' models), 8 layers (so the default aux layers (2, 4, 5) are distinct:
-    vLLM captures a set), peaked random weights (varied greedy text, no near-ties), SmolLM2's tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-target")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.3,
-        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).save_pretrained(out)
-    smollm2_tokenizer.save_pretrained(out)
-    return out
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Tiny models' ops on one thread: a second one only waits (30x slower on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def load_target(target_dir: Path):
-    from transformers import LlamaForCausalLM
-
-    base = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    base.generation_config.eos_token_id = None  # fixed-length outputs, as vLLM's ignore_eos
-    return base
 
 
 def fit_head(base, prompts: list[list[int]], steps: int = 300) -> Eagle3DraftModel:
@@ -104,11 +62,11 @@ def fit_head(base, prompts: list[list[int]], steps: int = 300) -> Eagle3DraftMod
 
 
 @pytest.fixture(scope="module")
-def fitted(target_dir, smollm2_tokenizer, tmp_path_factory) -> tuple[Path, list[list[int]]]:
+def fitted(vllm_target_dir, smollm2_tokenizer, tmp_path_factory) -> tuple[Path, list[list[int]]]:
     """(saved fitted head as dart-train writes it, token-id prompts)."""
     prompts = [smollm2_tokenizer(text).input_ids for text in TEXTS]
     with one_thread():
-        head = fit_head(load_target(target_dir), prompts)
+        head = fit_head(load_target(vllm_target_dir), prompts)
     out = tmp_path_factory.mktemp("run") / "head"
     head.save_pretrained(out)
     return out, prompts
@@ -119,9 +77,9 @@ def safetensors_keys(path: Path) -> set[str]:
         return set(fh.keys())
 
 
-def test_vllm_export_writes_the_speculators_fields_vllm_reads(fitted, target_dir, tmp_path: Path) -> None:
+def test_vllm_export_writes_the_speculators_fields_vllm_reads(fitted, vllm_target_dir, tmp_path: Path) -> None:
     head_dir, _ = fitted
-    result = export_head(str(head_dir), tmp_path / "export", "vllm", target=str(target_dir), num_speculative_tokens=4)
+    result = export_head(str(head_dir), tmp_path / "export", "vllm", target=str(vllm_target_dir), num_speculative_tokens=4)
     out = tmp_path / "export"
     config = json.loads((out / "config.json").read_text())
     head_config = json.loads((head_dir / "config.json").read_text())
@@ -130,7 +88,7 @@ def test_vllm_export_writes_the_speculators_fields_vllm_reads(fitted, target_dir
     assert "model_type" not in config and config["speculators_model_type"] == "eagle3"
     spec = config["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["proposal_methods"][0]["speculative_tokens"] == 4
-    assert spec["verifier"] == {"name_or_path": str(target_dir.resolve()), "architectures": ["LlamaForCausalLM"]}
+    assert spec["verifier"] == {"name_or_path": str(vllm_target_dir.resolve()), "architectures": ["LlamaForCausalLM"]}
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and not layer["tie_word_embeddings"]
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -154,9 +112,9 @@ def test_vllm_export_writes_the_speculators_fields_vllm_reads(fitted, target_dir
     assert result.speculative_config["model"] == str(out.resolve())
 
 
-def test_sglang_export_keeps_our_layout_and_names_layer_outputs(fitted, target_dir, tmp_path: Path) -> None:
+def test_sglang_export_keeps_our_layout_and_names_layer_outputs(fitted, vllm_target_dir, tmp_path: Path) -> None:
     head_dir, _ = fitted
-    export_head(str(head_dir), tmp_path / "sgl", "sglang", target=str(target_dir))
+    export_head(str(head_dir), tmp_path / "sgl", "sglang", target=str(vllm_target_dir))
     config = json.loads((tmp_path / "sgl" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["tie_word_embeddings"] is False
     # SGLang captures the output of layer id (= our id - 1); vLLM reads the top-level key first.
@@ -170,17 +128,17 @@ def test_sglang_export_keeps_our_layout_and_names_layer_outputs(fitted, target_d
     assert all(torch.equal(back[k], ours[k]) for k in ours)
 
 
-def test_bf16_head_stays_bf16_and_the_target_comes_from_the_run(target_dir, tmp_path: Path) -> None:
+def test_bf16_head_stays_bf16_and_the_target_comes_from_the_run(vllm_target_dir, tmp_path: Path) -> None:
     from transformers import LlamaConfig
 
-    config = LlamaConfig.from_pretrained(target_dir)
+    config = LlamaConfig.from_pretrained(vllm_target_dir)
     head = Eagle3DraftModel(Eagle3DraftConfig.from_target_config(config, draft_vocab_size=64)).to(torch.bfloat16)
     head.save_pretrained(tmp_path / "run" / "head")
     # A dart-train run records its target in <run>/config.yaml; the export finds it there.
-    (tmp_path / "run" / "config.yaml").write_text(f"model:\n  name_or_path: {target_dir}\n")
+    (tmp_path / "run" / "config.yaml").write_text(f"model:\n  name_or_path: {vllm_target_dir}\n")
     export_main([str(tmp_path / "run" / "head"), "--out", str(tmp_path / "out")])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["speculators_config"]["verifier"]["name_or_path"] == str(target_dir.resolve())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(vllm_target_dir.resolve())
     assert config["torch_dtype"] == "bfloat16"
     assert {t.dtype for k, t in load_file(str(tmp_path / "out" / "model.safetensors")).items()
             if k not in ("d2t", "t2d")} == {torch.bfloat16}
@@ -231,16 +189,16 @@ def our_acceptance(base, head_dir: Path, prompts: list[list[int]]) -> tuple[list
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serves_the_export_losslessly(fitted, target_dir, tmp_path: Path) -> None:
+def test_vllm_serves_the_export_losslessly(fitted, vllm_target_dir, tmp_path: Path) -> None:
     if not (VLLM_VENV / "bin" / "python").exists():
         pytest.fail(f"no vLLM venv at {VLLM_VENV}: run `make vllm` (make test does)")
     head_dir, prompts = fitted
-    export_main([str(head_dir), "--out", str(tmp_path / "export"), "--target", str(target_dir)])
+    export_main([str(head_dir), "--out", str(tmp_path / "export"), "--target", str(vllm_target_dir)])
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     env = {**os.environ, "VLLM_VENV": str(VLLM_VENV), "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("OMP_NUM_THREADS", None)  # vLLM sizes its own threads (VLLM_CPU_OMP_THREADS_BIND)
     command = [str(ROOT / "scripts" / "vllm_env.sh"), "python", str(ROOT / "scripts" / "vllm_greedy_check.py"),
-               "--target", str(target_dir), "--speculative-config", str(tmp_path / "export" / SPEC_CONFIG_FILE),
+               "--target", str(vllm_target_dir), "--speculative-config", str(tmp_path / "export" / SPEC_CONFIG_FILE),
                "--prompts", str(tmp_path / "prompts.json"), "--max-tokens", str(MAX_NEW), "--dtype", "float32",
                "--enforce-eager", "--out", str(tmp_path / "check.json")]
     run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
@@ -250,7 +208,7 @@ def test_vllm_serves_the_export_losslessly(fitted, target_dir, tmp_path: Path) -
     assert check["spec"] == check["plain"] and check["identical"]
     # ... which equals transformers' greedy on the same target.
     with one_thread():
-        ours, per_position, steps = our_acceptance(load_target(target_dir), head_dir, prompts)
+        ours, per_position, steps = our_acceptance(load_target(vllm_target_dir), head_dir, prompts)
     assert check["plain"] == ours
     # vLLM drafted what we draft: the same number of drafts and accepted tokens per position (the
     # memorised first draft accepted at every step). Wrong aux layers (shifted by one) gave 62/65

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, VLLM_VENV, load_target, one_thread
 from safetensors.torch import load_file
-from test_export import ROOT, VLLM_VENV, load_target, one_thread, target_dir  # noqa: F401 (target_dir: fixture)
 
 from dart_infer.cli.export import main as export_main
 from dart_infer.draft_head import DraftKVCache
@@ -92,11 +92,11 @@ def fit_dart_head(base, prompts: list[list[int]], steps: int = 300) -> DartDraft
 
 
 @pytest.fixture(scope="module")
-def fitted_dart(target_dir, smollm2_tokenizer, tmp_path_factory) -> tuple[Path, list[list[int]]]:  # noqa: F811
+def fitted_dart(vllm_target_dir, smollm2_tokenizer, tmp_path_factory) -> tuple[Path, list[list[int]]]:
     """(saved fitted DART head as dart-train writes it, token-id prompts: TEXTS + the chat prompt)."""
     prompts = [smollm2_tokenizer(text).input_ids for text in TEXTS] + [chat_ids(smollm2_tokenizer)]
     with one_thread():
-        head = fit_dart_head(load_target(target_dir), prompts)
+        head = fit_dart_head(load_target(vllm_target_dir), prompts)
     out = tmp_path_factory.mktemp("dart-run") / "head"
     head.save_pretrained(out)
     return out, prompts
@@ -150,9 +150,9 @@ def compare_drafts(oracle: Oracle, records: list[dict]) -> tuple[int, int]:
 # ------------------------------------------------------------------------------- export (no vLLM)
 
 
-def test_dart_export_writes_what_the_plugin_loads(fitted_dart, target_dir, tmp_path: Path) -> None:  # noqa: F811
+def test_dart_export_writes_what_the_plugin_loads(fitted_dart, vllm_target_dir, tmp_path: Path) -> None:
     head_dir, _ = fitted_dart
-    result = export_head(str(head_dir), tmp_path / "out", target=str(target_dir))
+    result = export_head(str(head_dir), tmp_path / "out", target=str(vllm_target_dir))
     out = tmp_path / "out"
     config = json.loads((out / "config.json").read_text())
     assert result.kind == "dart" and config["architectures"] == ["DartDraftModelEagle3"]
@@ -173,14 +173,14 @@ def test_dart_export_writes_what_the_plugin_loads(fitted_dart, target_dir, tmp_p
 
 
 def test_dart_export_orders_fc_by_layer_and_refuses_what_vllm_cannot_serve(
-        target_dir, tmp_path: Path, capsys) -> None:  # noqa: F811
+        vllm_target_dir, tmp_path: Path, capsys) -> None:
     from transformers import LlamaConfig
 
-    config = DartDraftConfig.from_target_config(LlamaConfig.from_pretrained(target_dir), draft_length=3,
+    config = DartDraftConfig.from_target_config(LlamaConfig.from_pretrained(vllm_target_dir), draft_length=3,
                                                 aux_layer_ids=[5, 2, 4])
     head = DartDraftModel(config)
     head.save_pretrained(tmp_path / "head")
-    export_head(str(tmp_path / "head"), tmp_path / "out", target=str(target_dir), num_speculative_tokens=2)
+    export_head(str(tmp_path / "head"), tmp_path / "out", target=str(vllm_target_dir), num_speculative_tokens=2)
     # vLLM concatenates the captured layers in layer order: fc's blocks follow (ours: 5, 2, 4).
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     fc = load_file(str(tmp_path / "out" / "model.safetensors"))["fc.weight"]
@@ -189,7 +189,7 @@ def test_dart_export_orders_fc_by_layer_and_refuses_what_vllm_cannot_serve(
     capsys.readouterr()  # save_pretrained's progress bars
     for args, words in ((["--format", "sglang"], "vLLM only"), (["--num-speculative-tokens", "4"], "at most its 3")):
         with pytest.raises(SystemExit) as exit_info:
-            export_main([str(tmp_path / "head"), "--out", str(tmp_path / "o"), "--target", str(target_dir), *args])
+            export_main([str(tmp_path / "head"), "--out", str(tmp_path / "o"), "--target", str(vllm_target_dir), *args])
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and words in err, err
     assert not (tmp_path / "o").exists()
@@ -232,14 +232,14 @@ def run_greedy_check(target: Path, export: Path, prompts: list[list[int]], tmp_p
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_drafts_what_our_dart_head_drafts_losslessly(fitted_dart, target_dir, tmp_path: Path) -> None:  # noqa: F811
+def test_vllm_drafts_what_our_dart_head_drafts_losslessly(fitted_dart, vllm_target_dir, tmp_path: Path) -> None:
     head_dir, prompts = fitted_dart
-    export_main([str(head_dir), "--out", str(tmp_path / "export"), "--target", str(target_dir)])
-    check = run_greedy_check(target_dir, tmp_path / "export", prompts, tmp_path, MAX_NEW)
+    export_main([str(head_dir), "--out", str(tmp_path / "export"), "--target", str(vllm_target_dir)])
+    check = run_greedy_check(vllm_target_dir, tmp_path / "export", prompts, tmp_path, MAX_NEW)
     # Lossless: greedy with the DART head = vLLM plain greedy (fp32) = transformers' greedy.
     assert check["spec"] == check["plain"] and check["identical"]
     with one_thread():
-        base = load_target(target_dir)
+        base = load_target(vllm_target_dir)
         references = [p + greedy(base, p, MAX_NEW + ROWS + 2) for p in prompts]
         assert check["plain"] == [r[len(p): len(p) + MAX_NEW] for p, r in zip(prompts, references, strict=True)]
         head = DartDraftModel.from_pretrained(head_dir, dtype=torch.float32).eval()
@@ -285,16 +285,16 @@ def spec_counter(metrics: str, name: str) -> float:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_serve_streams_the_dart_heads_chat_losslessly(fitted_dart, target_dir, smollm2_tokenizer,  # noqa: F811
+def test_vllm_serve_streams_the_dart_heads_chat_losslessly(fitted_dart, vllm_target_dir, smollm2_tokenizer,
                                                           tmp_path: Path) -> None:
     head_dir, prompts = fitted_dart
-    export_main([str(head_dir), "--out", str(tmp_path / "export"), "--target", str(target_dir)])
+    export_main([str(head_dir), "--out", str(tmp_path / "export"), "--target", str(vllm_target_dir)])
     spec_text = (tmp_path / "export" / SPEC_CONFIG_FILE).read_text()
     port, env, wrapper = free_port(), vllm_env(), str(ROOT / "scripts" / "vllm_env.sh")
     # What a user runs: vllm serve <target> --speculative-config "$(cat <export>/vllm_speculative_config.json)"
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [wrapper, "vllm", "serve", str(target_dir), "--speculative-config", spec_text, "--dtype", "float32",
+        [wrapper, "vllm", "serve", str(vllm_target_dir), "--speculative-config", spec_text, "--dtype", "float32",
          "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
     try:
@@ -320,7 +320,7 @@ def test_vllm_serve_streams_the_dart_heads_chat_losslessly(fitted_dart, target_d
     assert result["prompt_token_ids"] == prompts[-1]  # the server rendered the chat template as we did
     assert result["chunks"] > 2  # streamed
     with one_thread():
-        plain = greedy(load_target(target_dir), prompts[-1], 24)
+        plain = greedy(load_target(vllm_target_dir), prompts[-1], 24)
     assert result["token_ids"] == plain
     # The streamed text, but for a last character whose bytes were cut (the stream holds them back).
     assert result["text"] == smollm2_tokenizer.decode(plain, skip_special_tokens=True).removesuffix("\ufffd")
