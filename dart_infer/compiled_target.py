@@ -29,7 +29,7 @@ from transformers import StaticCache
 
 from dart_infer.target import TargetModel
 
-__all__ = ["CompiledTarget", "compile_decoding", "max_tree_nodes"]
+__all__ = ["CompiledTarget", "compile_decoding"]
 
 _MIN_CAPACITY = 256
 
@@ -209,19 +209,12 @@ class CompiledTarget(TargetModel):
             layer.cumulative_length.fill_(kept)
 
 
-def max_tree_nodes(settings: Any) -> int:
-    """The most nodes (root included) a tree of these search settings can have: the kept nodes plus
-    a copy span (DART's `TreeSearchSettings`), or the settings' own `max_nodes` where they state it."""
-    if hasattr(settings, "max_nodes"):
-        return int(settings.max_nodes)
-    return 1 + int(settings.remain_total) + int(getattr(settings, "copy_span_tokens", 0))
-
-
 def compile_decoding(model: Any, *, tree_size: int | None = None, capacity: int = 1024) -> Any:
     """`model` (a `DartModel`) decoding through a `CompiledTarget` from now on, for its AR baseline and
     its tree decoding alike; `tree_size` defaults to the largest tree of its tree settings. Returns it."""
     target = model.target
-    size = tree_size if tree_size is not None else max_tree_nodes(model.tree)
-    model.target = CompiledTarget(model.base_model, target.aux_layer_ids, tree_size=size, capacity=capacity)
+    if tree_size is None:
+        tree_size = model.method.max_tree_nodes(model.tree) if model.method is not None else 1
+    model.target = CompiledTarget(model.base_model, target.aux_layer_ids, tree_size=tree_size, capacity=capacity)
     model.target.embedding_weight = target.embedding_weight
     return model

@@ -75,11 +75,11 @@ class ForwardSplit:
 
     KINDS = ("attention", "mlp", "lm_head")
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, enabled: bool = True) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self._started: dict[int, float] = {}
         self._handles = []
-        for name, module in model.named_modules():
+        for name, module in model.named_modules() if enabled else ():
             kind = ("attention" if name.endswith("self_attn") else "mlp" if name.endswith(".mlp")
                     else "lm_head" if name.endswith("lm_head") else None)
             if kind is None:
@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="generations per method (0: micro-benchmarks only)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="decode through dart_infer.compiled_target (static "
+                        "cache, frozen inductor graphs); the forward's attention/MLP split is then not observable")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,6 +158,10 @@ def main() -> None:
         DartDraftModel(config).save_pretrained(head)
     model = DartModel.from_pretrained(args.model, head, trie, dtype=dtype, tree=tree,
                                       chat_template=args.chat_template)
+    if args.compile:
+        from dart_infer.compiled_target import compile_decoding
+
+        compile_decoding(model, capacity=args.context + args.max_new_tokens + 64)
     target, draft = model.target, model.draft_model
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
@@ -165,7 +171,7 @@ def main() -> None:
     bandwidth = memory_bandwidth(args.floor_gib)
     weights = weight_bytes(target.model)
     floor = weights / bandwidth
-    print(f"{args.model} {args.dtype}, {torch.get_num_threads()} thread(s), {past} cached tokens, "
+    print(f"{args.model} {args.dtype}{' compiled' if args.compile else ''}, {torch.get_num_threads()} thread(s), {past} cached tokens, "
           f"{args.nodes}-node tree, {args.repeats} repeats; torch {torch.__version__}")
     print(f"floor: {weights / 1e6:.0f} MB of weights per forward at {bandwidth / 1e9:.1f} GB/s read = "
           f"{floor * 1e3:.2f} ms per forward (at most {1 / floor:.0f} plain tokens/s)\n")
@@ -228,14 +234,13 @@ def main() -> None:
 
     if args.prompts <= 0:
         return
-    from dart_infer.conversations import load_conversations
-    from dart_infer.evaluate import chat_prompt, first_turn
+    from dart_infer.conversations import chat_prompt, first_turn, load_conversations
 
     prompts = [chat_prompt(model.tokenizer, first_turn(c)) for c in load_conversations("mtbench", limit=args.prompts)]
     model.ar_generate(prompts[0], max_new_token_num=8)
     model.dart_generate(prompts[0], max_new_token_num=8)
     totals: dict[str, dict[str, float]] = {"ar": defaultdict(float), "dart": defaultdict(float)}
-    split = ForwardSplit(target.model)
+    split = ForwardSplit(target.model, enabled=not args.compile)  # hooks cannot time inside a compiled graph
     for i, ids in enumerate(prompts):
         for kind in ("ar", "dart") if i % 2 == 0 else ("dart", "ar"):
             generate = model.ar_generate if kind == "ar" else model.dart_generate

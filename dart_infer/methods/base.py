@@ -57,6 +57,11 @@ class DraftMethod(ABC):
     def max_depth(self, head: Any, settings: Any) -> int:
         """The deepest draft level a tree can reach (acceptance columns of result tables)."""
 
+    def max_tree_nodes(self, settings: Any) -> int:
+        """The most nodes (root included) one of its trees can have under `settings`: what a
+        fixed-shape verification (`dart_infer.compiled_target`) must make room for."""
+        return 1 + int(getattr(settings, self.tree_size_field))
+
     def load(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Any:
         """A head of this method from a directory, embedded name or Hub id; anything missing fails."""
         from dart_infer.loading import load_draft_model

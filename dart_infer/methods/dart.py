@@ -56,6 +56,9 @@ class DartMethod(DraftMethod):
     def drafter(self, model: Any, settings: TreeSearchSettings) -> DartDrafter:
         return DartDrafter(model, settings)
 
+    def max_tree_nodes(self, settings: TreeSearchSettings) -> int:
+        return 1 + settings.remain_total + settings.copy_span_tokens  # a copy span joins the kept nodes
+
     def max_depth(self, head: Any, settings: TreeSearchSettings) -> int:
         return int(head.config.draft_length)
 
