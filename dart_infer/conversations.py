@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dart_infer.assets import asset_path
 from dart_infer.errors import InputError
 
@@ -344,3 +346,29 @@ def _iter_hf_dataset(spec: str, split: str) -> Iterator[tuple[int, Any]]:
     dataset = datasets.load_dataset(name, config or None, split=split)
     for index, row in enumerate(dataset):
         yield index, dict(row)
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Token ids of `messages` under the tokenizer's chat template, ready for the assistant's answer.
+
+    A tokenizer without a template is an error, not a guess: heads are trained on conversations
+    rendered with the template (`dart_train.template`), so prompts must be rendered the same way."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template to render the "
+            "conversation with: set model.chat_template=gemma-turns|plain|<file.jinja> (a built-in name, a "
+            ".jinja file or a Jinja string; the one the head was trained with), or pass chat_template= to "
+            "DartModel.from_pretrained / dart_infer.loading.load_tokenizer"
+        )
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    if not ids:
+        raise ValueError("empty prompt after tokenization")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def first_turn(conversation: Conversation) -> list[dict[str, str]]:
+    """The messages of a conversation's first prompt: a leading system message, then the first user turn."""
+    user = next((m for m in conversation.messages if m["role"] == "user"), None)
+    if user is None:
+        raise ValueError(f"conversation {conversation.id!r} has no user turn to prompt with")
+    return [*(m for m in conversation.messages[:1] if m["role"] == "system"), user]

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from dart_infer.conversations import Conversation
+from dart_infer.conversations import Conversation, chat_prompt
+from dart_infer.dtypes import dtype_name
 from dart_infer.errors import InputError
 from dart_infer.generate import DartModel
 from dart_infer.sampling import GREEDY_TEMPERATURE, Sampler
@@ -48,16 +49,16 @@ from dart_infer.stats import wall_clock
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "hf_generate", "prompt_lookup", "dart", "dart_no_trie")
-EXTRA_METHODS = ("eagle3",)  # need a model of their own (`Evaluator(eagle3=...)`), so not in the default set
-PLAIN = ("ar", "hf_generate")  # plain decoding: the speedup baselines, timed in every dtype
-SPECULATIVE = ("dart", "dart_no_trie", "eagle3")
+# vLLM engines in their own process (`dart_infer.vllm_runner`): plain decoding, its prompt lookup, and
+# the DART head through our vLLM plugin (a chain, no trie; `dart_infer.vllm_plugin`).
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_dart")
+# Need something of their own (`Evaluator(eagle3=..., vllm={...})`), so not in the default set.
+EXTRA_METHODS = ("eagle3", *VLLM_METHODS)
+PLAIN = ("ar", "hf_generate", "vllm")  # plain decoding: the speedup baselines
+RECAST = ("ar", "hf_generate")  # the plain methods also timed in every dtype of `plain_models`
+SPECULATIVE = ("dart", "dart_no_trie", "eagle3", "vllm_ngram", "vllm_dart")
 PHASES = ("prefill", "draft", "search", "verify", "bookkeeping")
 _SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """"float32", "bfloat16", ... (the name configs use)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def run_label(method: str, dtype: torch.dtype, serving: torch.dtype) -> str:
@@ -181,32 +182,6 @@ class EvalSettings:
         ]
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Token ids of `messages` under the tokenizer's chat template, ready for the assistant's answer.
-
-    A tokenizer without a template is an error, not a guess: heads are trained on conversations
-    rendered with the template (`dart_train.template`), so prompts must be rendered the same way."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template to render the "
-            "conversation with: set model.chat_template=gemma-turns|plain|<file.jinja> (a built-in name, a "
-            ".jinja file or a Jinja string; the one the head was trained with), or pass chat_template= to "
-            "DartModel.from_pretrained / dart_infer.loading.load_tokenizer"
-        )
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    if not ids:
-        raise ValueError("empty prompt after tokenization")
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def first_turn(conversation: Conversation) -> list[dict[str, str]]:
-    """The messages of a conversation's first prompt: a leading system message, then the first user turn."""
-    user = next((m for m in conversation.messages if m["role"] == "user"), None)
-    if user is None:
-        raise ValueError(f"conversation {conversation.id!r} has no user turn to prompt with")
-    return [*(m for m in conversation.messages[:1] if m["role"] == "system"), user]
-
-
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share (tokens before the first difference)."""
     n = 0
@@ -239,7 +214,8 @@ class Evaluator:
     """
 
     def __init__(
-        self, model: DartModel, settings: EvalSettings, plain_models: Sequence[DartModel] = (), eagle3: Any = None
+        self, model: DartModel, settings: EvalSettings, plain_models: Sequence[DartModel] = (), eagle3: Any = None,
+        vllm: Any = None,
     ) -> None:
         self.model = model
         self.settings = settings
@@ -254,10 +230,14 @@ class Evaluator:
         if "eagle3" in settings.methods and (eagle3 is None or getattr(eagle3.method, "name", None) != "eagle3"
                                              or eagle3.target.dtype != serving):
             raise ValueError(f"method 'eagle3' needs an EAGLE-3 head's model in the serving dtype {serving} (eagle3_model)")
+        self.vllm = dict(vllm or {})  # method -> its engine (`VllmRunner`), in the serving dtype
+        missing = [m for m in settings.methods if m in VLLM_METHODS and m not in self.vllm]
+        if missing:
+            raise ValueError(f"methods {missing} need their vLLM engines (dart_infer.vllm_runner.VllmRunner)")
         self.runs = [_Run(m, m, eagle3 if m == "eagle3" else model) for m in settings.methods]
         for other in plain_models:
             self.runs += [
-                _Run(run_label(m, other.target.dtype, serving), m, other) for m in settings.methods if m in PLAIN
+                _Run(run_label(m, other.target.dtype, serving), m, other) for m in settings.methods if m in RECAST
             ]
         self._fp32_ar = next((r.label for r in self.runs if r.method == "ar" and r.dtype == torch.float32), None)
         if serving != torch.float32 and self._fp32_ar is None:
@@ -270,6 +250,7 @@ class Evaluator:
             "dart": partial(self._run_dart, tree=None),
             "dart_no_trie": partial(self._run_dart, tree={"ngram_weight": 0.0}),
             "eagle3": partial(self._run_dart, tree=None),  # the same path: the model's head is EAGLE-3's
+            **{method: self._run_vllm for method in VLLM_METHODS},
         }
 
     # ---------------------------------------------------------------------------------- methods
@@ -315,6 +296,16 @@ class Evaluator:
                 **extra,
             )
         return self._record(run, ids, out.cpu(), elapsed[0])
+
+    def _run_vllm(self, run: _Run, ids: torch.Tensor, max_new: int, sampling: Sampling, seed: int) -> Record:
+        """A vLLM engine's decoding of the same prompt ids in its own process, timed there (`VllmRunner`);
+        speculative ones report vLLM's own acceptance counts."""
+        new, seconds, accepts = self.vllm[run.method].generate(
+            ids.tolist(), max_new, sampling.temperature, sampling.top_p, sampling.top_k, seed)
+        extra: dict[str, Any] = {}
+        if accepts is not None:
+            extra = {"steps": len(accepts), "step_tokens": sum(accepts) + len(accepts), "accept_lengths": accepts}
+        return self._record(run, ids, torch.tensor([ids.tolist() + new]), seconds, **extra)
 
     @staticmethod
     def _record(run: _Run, ids: torch.Tensor, out: torch.Tensor, seconds: float, **extra: Any) -> Record:

@@ -100,9 +100,9 @@ def markdown_table(summary: Summary) -> str:
     """One row per benchmark, setting and method; the fastest plain decoding of each group below."""
     lines = [
         "| benchmark | setting | method | dtype | prompts | τ | tokens/s | × fastest plain | × AR (same dtype) "
-        "| × HF generate (same dtype) | identical to AR (same dtype) | identical to fp32 greedy "
-        "| tokens to 1st difference |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| × HF generate (same dtype) | × vLLM (same dtype) | identical to AR (same dtype) "
+        "| identical to fp32 greedy | tokens to 1st difference |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for benchmark, settings in summary.items():
@@ -113,7 +113,7 @@ def markdown_table(summary: Summary) -> str:
                 lines.append(
                     f"| {benchmark} | {sampling} | {label} | {row['dtype']} | {row['prompts']} | {tau} | "
                     f"{row['tokens_per_second']:.1f} | {_ratio(row, 'speedup_vs_fastest_plain')} | "
-                    f"{_ratio(row, 'speedup_vs_ar')} | {_ratio(row, 'speedup_vs_hf_generate')} | "
+                    f"{_ratio(row, 'speedup_vs_ar')} | {_ratio(row, 'speedup_vs_hf_generate')} | {_ratio(row, 'speedup_vs_vllm')} | "
                     f"{_share(row['identical_to_ar'])} | {_share(row.get('identical_to_fp32'))} | "
                     f"{f'{first_diff:.1f}' if first_diff is not None else '–'} |"
                 )
@@ -121,7 +121,7 @@ def markdown_table(summary: Summary) -> str:
             if fastest:
                 notes.append(f"{benchmark} {sampling}: {fastest} ({rows[fastest]['tokens_per_second']:.1f} tokens/s)")
     if notes:
-        lines += ["", "Fastest plain decoding (AR or HF generate, any dtype) per benchmark and setting: "
+        lines += ["", "Fastest plain decoding (AR, HF generate or vLLM, any dtype) per benchmark and setting: "
                   + "; ".join(notes) + "."]
     return "\n".join(lines)
 

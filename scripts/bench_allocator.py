@@ -31,7 +31,7 @@ def decode_child(prompts: int, new_tokens: int) -> None:
 
     from dart_infer.allocator import allocator_in_use
     from dart_infer.cli.eval import benchmark_conversations
-    from dart_infer.evaluate import chat_prompt, first_turn
+    from dart_infer.conversations import chat_prompt, first_turn
     from dart_infer.generate import DartModel
     from dart_infer.resolve import default_trie_path, model_vocabulary, resolve_trie
 

@@ -24,8 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dart_infer.cli import configs_dir
-from dart_infer.conversations import load_conversations
-from dart_infer.evaluate import chat_prompt, first_turn
+from dart_infer.conversations import chat_prompt, first_turn, load_conversations
 from dart_infer.generate import DartModel
 from dart_train.dataset import build_dataset
 from dart_train.evaluate import SimulatedTau

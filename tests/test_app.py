@@ -26,7 +26,7 @@ from helpers import tiny_llama
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.assets import tokenizer_fingerprint
-from dart_infer.evaluate import chat_prompt
+from dart_infer.conversations import chat_prompt
 from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
 from ngram_builder import NgramTrie
 

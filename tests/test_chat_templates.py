@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from dart_infer.evaluate import chat_prompt
+from dart_infer.conversations import chat_prompt
 from dart_infer.loading import (
     BUILTIN_CHAT_TEMPLATES,
     builtin_chat_template,

@@ -11,8 +11,8 @@ import yaml
 from helpers import run_dart_eval
 
 from dart_infer import DartModel
-from dart_infer.conversations import load_conversations
-from dart_infer.evaluate import METHODS, EvalSettings, Evaluator, Sampling, chat_prompt
+from dart_infer.conversations import chat_prompt, load_conversations
+from dart_infer.evaluate import METHODS, EvalSettings, Evaluator, Sampling
 from dart_infer.results import markdown_table, save_results, summarize
 from dart_infer.tree_fit import fit_tree
 from ngram_builder import NgramTrie

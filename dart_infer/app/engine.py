@@ -189,7 +189,7 @@ class Engine:
 
     def prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> torch.Tensor:
         """Token ids of a conversation under the model's chat template, ready for the answer."""
-        from dart_infer.evaluate import chat_prompt
+        from dart_infer.conversations import chat_prompt
 
         ids = chat_prompt(self.tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
         if ids.numel() >= self.max_length:

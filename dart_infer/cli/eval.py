@@ -18,7 +18,9 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -38,6 +40,7 @@ from dart_infer.cli.eval_checks import (
     run_settings,
 )
 from dart_infer.conversations import Conversation, load_conversations, load_prompt_file
+from dart_infer.dtypes import dtype_name
 from dart_infer.errors import InputError
 from dart_infer.files import atomic_write_bytes
 
@@ -201,6 +204,35 @@ def load_eagle3(cfg: DictConfig, model: Any) -> Any:
     return model.with_head(head, tree=tree)
 
 
+def start_vllm(cfg: DictConfig, scratch: Path) -> dict[str, Any]:
+    """The engines of the vLLM methods asked for (`dart_infer.vllm_runner`), each in `model.dtype`:
+    `vllm` plain, `vllm_ngram` vLLM's prompt lookup (`prompt_lookup_num_tokens` tokens, vLLM's default
+    n-gram sizes), `vllm_dart` the DART head `draft_model` exported into `scratch` for our vLLM plugin."""
+    from dart_infer.vllm_runner import VllmRunner
+
+    wanted = [m for m in cfg.methods if str(m).startswith("vllm")]
+    configs: dict[str, dict[str, Any] | None] = {}
+    for method in wanted:
+        if method == "vllm":
+            configs[method] = None
+        elif method == "vllm_ngram":
+            configs[method] = {"method": "ngram", "num_speculative_tokens": int(cfg.prompt_lookup_num_tokens)}
+        else:
+            from dart_infer.export import export_head
+
+            configs[method] = export_head(str(cfg.draft_model), scratch / "vllm-dart-head").speculative_config
+    target, dtype = resolve_model(cfg.model.name_or_path), dtype_name(_dtypes(cfg)[0])
+    engines: dict[str, Any] = {}
+    try:
+        for method, spec in configs.items():
+            engines[method] = VllmRunner(target, dtype, speculative_config=spec)
+    except BaseException:
+        for engine in engines.values():
+            engine.close()
+        raise
+    return engines
+
+
 def load_model(cfg: DictConfig, trie: str | None) -> Any:
     """The serving model alone (`model.dtype`, the tree configured, `trie` from `resolve_trie`)."""
     return load_models(OmegaConf.merge(cfg, {"baseline_dtypes": []}), trie)[0]
@@ -230,7 +262,7 @@ def _check_tree_file(cfg: DictConfig) -> None:
 
 def run_eval(cfg: DictConfig) -> dict[str, Path]:
     from dart_infer.eval_records import RecordStore
-    from dart_infer.evaluate import EvalSettings, Evaluator, dtype_name
+    from dart_infer.evaluate import EvalSettings, Evaluator
     from dart_infer.results import ResultsNotWritten, markdown_table, save_results, summarize
 
     # Everything that can be refused is refused here, before the model loads and nothing is measured.
@@ -250,9 +282,16 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
     if done:
         print(f"resuming: {done} of {len(units)} measurements already in {store.path}", flush=True)
     torch.manual_seed(cfg.seed)
+    scratch = Path(tempfile.mkdtemp(prefix="dart-eval-"))
+    vllm = start_vllm(cfg, scratch)  # first: a missing vLLM venv or a bad export fails before our models load
     model, plain_models = load_models(cfg, trie)
     eagle3 = load_eagle3(cfg, model)
-    evaluator = Evaluator(model, settings, plain_models, eagle3=eagle3)
+    if cfg.compile:
+        from dart_infer.compiled_target import compile_decoding
+
+        for decoding in (model, *plain_models, *([eagle3] if eagle3 else [])):
+            compile_decoding(decoding)
+    evaluator = Evaluator(model, settings, plain_models, eagle3=eagle3, vllm=vllm)
     store.confirm({"tree": asdict(model.tree), "eagle3_tree": asdict(eagle3.tree) if eagle3 else None,
                    "device": str(model.target.device)})
     if done < len(units):
@@ -265,6 +304,10 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
         print(f"stopped: {store.count(units)} of {len(units)} measurements are saved in {store.path}; the same "
               f"command with out_dir={cfg.out_dir} measures only the rest", file=sys.stderr, flush=True)
         raise
+    finally:
+        for engine in vllm.values():
+            engine.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     summary = summarize(records, max(model.draft_depth, eagle3.draft_depth if eagle3 else 0))
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -296,7 +339,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
 
 
 def run_fit_tree(cfg: DictConfig) -> Path:
-    from dart_infer.evaluate import chat_prompt, first_turn
+    from dart_infer.conversations import chat_prompt, first_turn
     from dart_infer.tree_fit import fit_tree
 
     check_count(cfg, "fit.prompts")

@@ -87,6 +87,7 @@ def run_settings(cfg: DictConfig, trie: str | None, settings: Any) -> dict[str, 
         "eagle3_tree": OmegaConf.to_container(cfg.eagle3_tree, resolve=True) if eagle3 and cfg.get("eagle3_tree")
         else None,
         "methods": list(settings.methods),
+        "compile": bool(cfg.get("compile", False)),
         "baseline_dtypes": [str(d) for d in cfg.get("baseline_dtypes") or []],
         "samplings": [s.label for s in settings.samplings],
         "max_new_tokens": settings.max_new_tokens,
