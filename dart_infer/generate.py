@@ -43,7 +43,8 @@ from dart_infer.loading import (
 from dart_infer.methods import Drafter, DraftMethod, load_head, method_of
 from dart_infer.sampling import GREEDY_TEMPERATURE, Sampler, greedy_accept, sampling_accept, tree_children
 from dart_infer.stats import GenerationStats, StepOutput
-from dart_infer.target import TargetModel, use_fast_matmul_layout
+from dart_infer.step_cost import use_fast_matmul_layout
+from dart_infer.target import TargetModel
 from dart_infer.tree import CPU_FP32_TREE, CPU_TREE, TreeSearchSettings, default_tree
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ def main() -> None:
     from dart_infer.methods.dart import DartDrafter
     from dart_infer.methods.eagle3 import CPU_EAGLE3_TREE, Eagle3Drafter, Eagle3TreeSettings
     from dart_infer.model import DartDraftConfig, DartDraftModel
-    from dart_infer.target import use_fast_matmul_layout
+    from dart_infer.step_cost import use_fast_matmul_layout
     from dart_infer.tree import CPU_TREE, TreeSearchSettings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -16,7 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dart_infer.assets import resolve_model
-from dart_infer.target import TargetModel, use_fast_matmul_layout
+from dart_infer.step_cost import use_fast_matmul_layout
+from dart_infer.target import TargetModel
 
 
 def best_of(fn, repeats: int) -> float:
