@@ -10,8 +10,10 @@ How the shapes stay fixed:
 - the cache is transformers' `StaticCache` (one per `CompiledTarget`, reused by every request),
   `capacity` positions long; it grows to the next power of two when a request needs more (one
   recompilation per size, at most a handful);
-- plain steps are one token; a verified tree is padded to `tree_size` nodes (the padding attends only
-  to itself and is dropped by `keep_path`), so DART's verification is one more graph;
+- plain steps are one token; a verified tree is padded to the smallest of `tree_sizes` it fits (the
+  padding attends only to itself and is dropped by `keep_path`): one more graph per size. Rows are
+  not free on 2 cores (bf16 SmolLM2 verify: 1 row 24.5 ms, 16 rows 27.9, 35 rows 37.8), so a tree
+  is not padded far beyond its own size (DART: the kept nodes, or those plus a copy span);
 - the prefill (any length) runs eagerly into the same cache.
 
 Same interface as `TargetModel` (`prefill`, `next_logits`, `verify`, `keep_path`, `states`), so both
@@ -54,7 +56,8 @@ def _inductor_settings() -> None:
 class CompiledTarget(TargetModel):
     """`TargetModel` with a static cache and compiled fixed-shape steps (see the module docstring).
 
-    `tree_size`: the verified tree's padded node count (root included): every DART tree must fit.
+    `tree_sizes`: the node counts (root included) verification pads a tree to; the largest bounds the
+    trees it takes.
     `capacity`: the cache's initial length (grows by doubling when a request needs more).
     """
 
@@ -63,15 +66,16 @@ class CompiledTarget(TargetModel):
         model: Any,
         layer_ids: tuple[int, ...] | list[int] | None = None,
         *,
-        tree_size: int = 32,
+        tree_sizes: tuple[int, ...] | list[int] = (32,),
         capacity: int = 1024,
     ) -> None:
         super().__init__(model, layer_ids)
         if self.sliding_window:
             raise ValueError("compiled decoding needs a full-attention target; this one has sliding-window layers")
-        if tree_size < 1:
-            raise ValueError(f"tree_size must be >= 1, got {tree_size}")
-        self.tree_size = int(tree_size)
+        if not tree_sizes or min(tree_sizes) < 1:
+            raise ValueError(f"tree_sizes must be node counts >= 1, got {tree_sizes}")
+        self.tree_sizes = tuple(sorted({int(size) for size in tree_sizes}))
+        self.tree_size = self.tree_sizes[-1]  # the largest tree it takes
         self.capacity = max(_MIN_CAPACITY, int(capacity))
         self._cache: StaticCache | None = None
         _inductor_settings()
@@ -168,9 +172,10 @@ class CompiledTarget(TargetModel):
         tree_mask: torch.Tensor,
         cache: StaticCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`TargetModel.verify` with the tree padded to `tree_size` nodes: (aux [n,3H], logits [n,V])."""
+        """`TargetModel.verify` with the tree padded to the smallest fitting size: (aux [n,3H], logits [n,V])."""
         tree_tokens = tree_tokens.reshape(-1)
-        n, size = tree_tokens.numel(), self.tree_size
+        n = tree_tokens.numel()
+        size = next((size for size in self.tree_sizes if size >= n), self.tree_size)
         if n > size:
             raise ValueError(f"a tree of {n} nodes does not fit the compiled tree size {size}: raise tree_size")
         past = self.seq_length(cache)
@@ -189,6 +194,19 @@ class CompiledTarget(TargetModel):
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         aux, logits = self._tree_step(tokens, positions, mask[None, None], cache)
         return aux[0, :n], logits[0, :n]
+
+    @torch.no_grad()
+    def compile_now(self) -> None:
+        """Compile every step shape now (a plain step and each tree size) on a throw-away request, so
+        no compilation lands inside a timed or served request later (~30 s per shape here)."""
+        cache = self.prefill(torch.ones(1, 8, dtype=torch.long, device=self.device))[2]
+        self.next_logits(torch.ones(1, 1, dtype=torch.long, device=self.device), cache)
+        for size in self.tree_sizes:
+            past = self.seq_length(cache)
+            chain = torch.tril(torch.ones(size, size, dtype=torch.bool))
+            self.verify(torch.ones(size, dtype=torch.long), torch.arange(size), chain, cache)
+            self.keep_path(cache, past, [])
+        self.new_cache()
 
     @staticmethod
     def keep_path(cache: StaticCache, past: int, keep: torch.Tensor | Sequence[int]) -> None:
@@ -209,12 +227,17 @@ class CompiledTarget(TargetModel):
             layer.cumulative_length.fill_(kept)
 
 
-def compile_decoding(model: Any, *, tree_size: int | None = None, capacity: int = 1024) -> Any:
+def compile_decoding(model: Any, *, tree_sizes: tuple[int, ...] | None = None, capacity: int = 1024) -> Any:
     """`model` (a `DartModel`) decoding through a `CompiledTarget` from now on, for its AR baseline and
-    its tree decoding alike; `tree_size` defaults to the largest tree of its tree settings. Returns it."""
+    its tree decoding alike. `tree_sizes` default: its tree settings' usual tree (the tree-size setting's
+    nodes + root) and its largest one (`DraftMethod.max_tree_nodes`). Compiles every shape before it
+    returns (`CompiledTarget.compile_now`). Returns it."""
     target = model.target
-    if tree_size is None:
-        tree_size = model.method.max_tree_nodes(model.tree) if model.method is not None else 1
-    model.target = CompiledTarget(model.base_model, target.aux_layer_ids, tree_size=tree_size, capacity=capacity)
+    if tree_sizes is None:
+        method, tree = model.method, model.tree
+        tree_sizes = ((1 + int(getattr(tree, method.tree_size_field)), method.max_tree_nodes(tree))
+                      if method is not None else (1,))
+    model.target = CompiledTarget(model.base_model, target.aux_layer_ids, tree_sizes=tree_sizes, capacity=capacity)
+    model.target.compile_now()
     model.target.embedding_weight = target.embedding_weight
     return model
