@@ -304,6 +304,9 @@ class Evaluator:
             ids.tolist(), max_new, sampling.temperature, sampling.top_p, sampling.top_k, seed)
         extra: dict[str, Any] = {}
         if accepts is not None:
+            # vLLM counts steps that had a draft; a step without one (n-gram lookup found nothing) still
+            # emits one token: counted here with 0 accepted, so τ means what ours does (tokens per forward).
+            accepts = accepts + [0] * max(0, len(new) - sum(accepts) - len(accepts))
             extra = {"steps": len(accepts), "step_tokens": sum(accepts) + len(accepts), "accept_lengths": accepts}
         return self._record(run, ids, torch.tensor([ids.tolist() + new]), seconds, **extra)
 

@@ -44,7 +44,7 @@ def main() -> None:
 
     kwargs = {"speculative_config": json.loads(args.speculative_config)} if args.speculative_config else {}
     llm = LLM(model=args.target, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-              seed=0, **kwargs)
+              seed=0, disable_log_stats=not kwargs, **kwargs)  # get_metrics needs stats (spec decode only)
 
     def spec_counters() -> tuple[int, list[int]]:
         drafts, per_position = 0, []

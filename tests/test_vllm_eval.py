@@ -36,6 +36,24 @@ def test_vllm_plain_runs_beside_our_methods_with_the_same_greedy_tokens(vllm_tar
     assert "× vLLM (same dtype)" in markdown_table(summarize(records, 0))
 
 
+def test_vllm_prompt_lookup_counts_every_step_like_ours(vllm_target_dir) -> None:
+    """vLLM's n-gram drafts: lossless (fp32 greedy = our AR), and its τ counts every target forward,
+    also the steps where the lookup proposed nothing (vLLM's own counters skip those)."""
+    model = DartModel.from_pretrained(str(vllm_target_dir), None, dtype="float32")
+    model.base_model.generation_config.eos_token_id = None
+    settings = EvalSettings(methods=["ar", "vllm_ngram"], max_new_tokens=48, threads=1, warmup_tokens=4)
+    # Repetitive prompts: the random target's greedy text tends to loop, so the lookup finds drafts.
+    conversations = [Conversation(id="0", messages=[{"role": "user", "content": "1 2 3 1 2 3 1 2 3"}], source="test")]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 2}
+    with VllmRunner(vllm_target_dir, "float32", enforce_eager=True, max_model_len=512, speculative_config=spec) as vllm:
+        records = Evaluator(model, settings, vllm={"vllm_ngram": vllm}).run("tiny", conversations, progress=False)
+    ours, theirs = (next(r for r in records if r.method == m) for m in ("ar", "vllm_ngram"))
+    assert theirs.output_ids == ours.output_ids
+    # Every emitted token belongs to a counted step (the last step's drafts may overshoot the budget).
+    assert theirs.new_tokens == 48 and 0 <= theirs.step_tokens - 48 <= spec["num_speculative_tokens"]
+    assert theirs.steps == len(theirs.accept_lengths)
+
+
 def test_a_missing_vllm_venv_is_one_line(tmp_path, monkeypatch) -> None:
     from dart_infer.errors import InputError
 
