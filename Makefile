@@ -20,7 +20,7 @@ $(VENV)/.deps-stamp: pyproject.toml constraints.txt Makefile
 	$(PIP) install -q -c constraints.txt torch
 	$(PIP) install -q -c constraints.txt "transformers" "tokenizers" "datasets" "deepspeed" \
 	    "hydra-core" "omegaconf" "safetensors" "numpy" "tqdm" "gguf" "accelerate" "filelock" \
-	    "wandb" "matplotlib" "pybind11" "scikit-build-core" "pytest" "ruff" "gradio" "selenium"
+	    "wandb" "matplotlib" "pybind11" "scikit-build-core" "pytest" "pytest-xdist" "ruff" "gradio" "selenium"
 	$(PIP) install -q --no-deps $(ASSETS)
 	# dart-app's browser test drives Debian's Chromium + ChromeDriver with Selenium (no browser download).
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
@@ -45,8 +45,11 @@ demo: build
 
 # vllm too: tests/test_export.py and tests/test_vllm_plugin.py serve exported heads in vLLM (`vllm`
 # marker); `make vllm` costs ~1.2 min and 3.5 GB here, those tests ~4 min (docs/vllm.md).
+# Tests run one torch thread each (tests/conftest.py), so TEST_WORKERS pytest-xdist workers (whole files
+# per worker, keeping module fixtures) fill that many cores; TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: build vllm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 lint: venv
 	$(VENV)/bin/ruff check .
