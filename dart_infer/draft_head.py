@@ -102,6 +102,11 @@ class DraftHeadParts:
         hf_init.copy_(module.t2d, t2d)
         hf_init.zeros_(module.d2t)
 
+    def external_parameters(self) -> list[nn.Parameter]:
+        """Parameters the head reads directly, not through a submodule's forward (ZeRO-3 must gather
+        them with the forward's module): none unless a head says so."""
+        return []
+
     @property
     def embed_tokens(self) -> nn.Embedding | None:
         """The target's input embedding (frozen, shared, not part of this module's state)."""

@@ -263,6 +263,9 @@ class DartDraftModel(DraftHeadParts, PreTrainedModel):
     config_class = DartDraftConfig
     config: DartDraftConfig
     base_model_prefix = "dart"
+
+    def external_parameters(self) -> list[nn.Parameter]:
+        return [self.midlayer.mask_rep]  # every mask position's input, read by `mask_inputs`
     main_input_name = "aux_hidden"
     _supports_sdpa = True
     _supports_flex_attn = True

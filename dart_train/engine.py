@@ -155,9 +155,9 @@ class DartTrainer(CheckpointedTraining):
 
             use_compiled_flex_attention()
         module = _ObjectiveModule(draft_model, settings.gamma, use_flex)
-        if settings.zero_stage == 3 and hasattr(draft_model.midlayer, "mask_rep"):  # (EAGLE-3 has none)
-            # mask_rep is read directly (not through a submodule's forward): gather it with the wrapper.
-            deepspeed.zero.register_external_parameter(module, draft_model.midlayer.mask_rep)
+        if settings.zero_stage == 3:  # parameters read outside a submodule's forward: gathered with the wrapper
+            for parameter in draft_model.external_parameters():
+                deepspeed.zero.register_external_parameter(module, parameter)
         self.ds_config = self._deepspeed_config()
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=module,
