@@ -49,14 +49,15 @@ from dart_infer.stats import wall_clock
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "hf_generate", "prompt_lookup", "dart", "dart_no_trie")
-# vLLM engines in their own process (`dart_infer.vllm_runner`): plain decoding, its prompt lookup, and
-# the DART head through our vLLM plugin (a chain, no trie; `dart_infer.vllm_plugin`).
-VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_dart")
+# vLLM engines in their own process (`dart_infer.vllm_runner`): plain decoding, its prompt lookup, the
+# DART head through our vLLM plugin (a chain, no trie; `dart_infer.vllm_plugin`) and an EAGLE-3 head
+# through vLLM's own EAGLE-3 drafter (a chain).
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_dart", "vllm_eagle3")
 # Need something of their own (`Evaluator(eagle3=..., vllm={...})`), so not in the default set.
 EXTRA_METHODS = ("eagle3", *VLLM_METHODS)
 PLAIN = ("ar", "hf_generate", "vllm")  # plain decoding: the speedup baselines
 RECAST = ("ar", "hf_generate")  # the plain methods also timed in every dtype of `plain_models`
-SPECULATIVE = ("dart", "dart_no_trie", "eagle3", "vllm_ngram", "vllm_dart")
+SPECULATIVE = ("dart", "dart_no_trie", "eagle3", "vllm_ngram", "vllm_dart", "vllm_eagle3")
 PHASES = ("prefill", "draft", "search", "verify", "bookkeeping")
 _SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from dart_infer.errors import InputError
 
-__all__ = ["VllmRunner", "vllm_env_script"]
+__all__ = ["VllmRunner", "start_engines", "vllm_env_script"]
 
 _WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -89,3 +89,50 @@ class VllmRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def start_engines(
+    methods: list[str], target: str | Path, dtype: str, scratch: Path, *, draft_model: str | None = None,
+    eagle3_model: str | None = None, ngram_tokens: int = 10, eagle3_tokens: int = 3, enforce_eager: bool = False,
+) -> dict[str, VllmRunner]:
+    """One engine per vLLM method of dart-eval, on `target` in `dtype`:
+    - `vllm`: plain decoding;
+    - `vllm_ngram`: vLLM's prompt lookup (`ngram_tokens` tokens, vLLM's default n-gram sizes);
+    - `vllm_dart`: the DART head `draft_model` exported into `scratch` for our plugin (a chain of d);
+    - `vllm_eagle3`: the EAGLE-3 head `eagle3_model` exported for vLLM's EAGLE-3 drafter (a chain of
+      `eagle3_tokens`).
+    Heads are checked and exported before any engine starts; a failed start closes the others."""
+    from dart_infer.export import export_head
+
+    unknown = [m for m in methods if m not in ("vllm", "vllm_ngram", "vllm_dart", "vllm_eagle3")]
+    if unknown:
+        raise InputError(f"methods: {unknown} are not vLLM methods (vllm, vllm_ngram, vllm_dart, vllm_eagle3)")
+    if "vllm_eagle3" in methods and not eagle3_model:
+        raise InputError("methods: 'vllm_eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
+    configs: dict[str, dict[str, Any] | None] = {}
+    for method in methods:
+        if method == "vllm":
+            configs[method] = None
+        elif method == "vllm_ngram":
+            configs[method] = {"method": "ngram", "num_speculative_tokens": ngram_tokens}
+        elif method == "vllm_eagle3":
+            export = export_head(str(eagle3_model), scratch / "vllm-eagle3-head", target=str(target),
+                                 num_speculative_tokens=eagle3_tokens)
+            if export.kind != "eagle3":
+                raise InputError(f"eagle3_model={eagle3_model}: a {export.kind} head, not an EAGLE-3 one "
+                                 "(dart-train draft=eagle3 trains one)")
+            configs[method] = export.speculative_config
+        else:
+            configs[method] = export_head(str(draft_model), scratch / "vllm-dart-head", target=str(target)).speculative_config
+    # vLLM refuses a context longer than the target's positions; 4096 covers every benchmark prompt.
+    positions = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 4096
+    engines: dict[str, VllmRunner] = {}
+    try:
+        for method, spec in configs.items():
+            engines[method] = VllmRunner(target, dtype, speculative_config=spec, max_model_len=min(4096, positions),
+                                         enforce_eager=enforce_eager)
+    except BaseException:
+        for engine in engines.values():
+            engine.close()
+        raise
+    return engines

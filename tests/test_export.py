@@ -216,3 +216,26 @@ def test_vllm_serves_the_export_losslessly(fitted, vllm_target_dir, tmp_path: Pa
     metrics = check["metrics"]
     assert metrics["num_drafts"] == steps and metrics["num_accepted_tokens_per_pos"] == per_position
     assert per_position[0] == steps  # the check has teeth: every first draft was accepted
+
+
+@pytest.mark.vllm
+def test_dart_eval_serves_an_eagle3_head_through_vllm(fitted, vllm_target_dir, tmp_path: Path) -> None:
+    """dart-eval's `vllm_eagle3`: the head exported for vLLM's EAGLE-3 drafter, fed the same prompt ids,
+    lossless (fp32 greedy = transformers) and reporting each step's accepted drafts."""
+    from dart_infer.errors import InputError
+    from dart_infer.vllm_runner import start_engines
+
+    head_dir, prompts = fitted
+    with pytest.raises(InputError, match="needs eagle3_model"):
+        start_engines(["vllm", "vllm_eagle3"], vllm_target_dir, "float32", tmp_path)
+    engines = start_engines(["vllm_eagle3"], vllm_target_dir, "float32", tmp_path, eagle3_model=str(head_dir),
+                            eagle3_tokens=SPEC_TOKENS, enforce_eager=True)
+    with engines["vllm_eagle3"] as engine:
+        runs = [engine.generate(prompt, MAX_NEW) for prompt in prompts]
+    with one_thread():
+        ours, _, _ = our_acceptance(load_target(vllm_target_dir), head_dir, prompts)
+    assert [tokens for tokens, _, _ in runs] == ours
+    for tokens, seconds, accepts in runs:
+        assert seconds > 0 and accepts is not None and max(accepts) <= SPEC_TOKENS
+        assert sum(accepts) + len(accepts) >= len(tokens)  # every token came from a counted step
+    assert sum(sum(accepts) for _, _, accepts in runs) > 0  # the memorised head's drafts were accepted

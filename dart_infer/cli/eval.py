@@ -205,32 +205,19 @@ def load_eagle3(cfg: DictConfig, model: Any) -> Any:
 
 
 def start_vllm(cfg: DictConfig, scratch: Path) -> dict[str, Any]:
-    """The engines of the vLLM methods asked for (`dart_infer.vllm_runner`), each in `model.dtype`:
-    `vllm` plain, `vllm_ngram` vLLM's prompt lookup (`prompt_lookup_num_tokens` tokens, vLLM's default
-    n-gram sizes), `vllm_dart` the DART head `draft_model` exported into `scratch` for our vLLM plugin."""
-    from dart_infer.vllm_runner import VllmRunner
+    """The engines of the vLLM methods in `cfg.methods` (`dart_infer.vllm_runner.start_engines`), in
+    `model.dtype`; exported heads go into `scratch`."""
+    from dart_infer.vllm_runner import start_engines
 
-    wanted = [m for m in cfg.methods if str(m).startswith("vllm")]
-    configs: dict[str, dict[str, Any] | None] = {}
-    for method in wanted:
-        if method == "vllm":
-            configs[method] = None
-        elif method == "vllm_ngram":
-            configs[method] = {"method": "ngram", "num_speculative_tokens": int(cfg.prompt_lookup_num_tokens)}
-        else:
-            from dart_infer.export import export_head
-
-            configs[method] = export_head(str(cfg.draft_model), scratch / "vllm-dart-head").speculative_config
-    target, dtype = resolve_model(cfg.model.name_or_path), dtype_name(_dtypes(cfg)[0])
-    engines: dict[str, Any] = {}
-    try:
-        for method, spec in configs.items():
-            engines[method] = VllmRunner(target, dtype, speculative_config=spec)
-    except BaseException:
-        for engine in engines.values():
-            engine.close()
-        raise
-    return engines
+    wanted = [str(m) for m in cfg.methods if str(m).startswith("vllm")]
+    if not wanted:
+        return {}
+    return start_engines(
+        wanted, resolve_model(cfg.model.name_or_path), dtype_name(_dtypes(cfg)[0]), scratch,
+        draft_model=cfg.get("draft_model"), eagle3_model=cfg.get("eagle3_model"),
+        ngram_tokens=int(cfg.prompt_lookup_num_tokens), eagle3_tokens=int(cfg.vllm_eagle3_tokens),
+        enforce_eager=bool(cfg.get("vllm_enforce_eager", False)),
+    )
 
 
 def load_model(cfg: DictConfig, trie: str | None) -> Any:
