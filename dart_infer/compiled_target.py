@@ -9,7 +9,9 @@ need ~14 ms. A compiled, frozen step removes most of that overhead.
 How the shapes stay fixed:
 - the cache is transformers' `StaticCache` (one per `CompiledTarget`, reused by every request),
   `capacity` positions long; it grows to the next power of two when a request needs more (one
-  recompilation per size, at most a handful);
+  recompilation per size, at most a handful); a step attends only over its window, the cache's first
+  positions up to the next multiple of 64 past the context (views of the buffers whose length is
+  symbolic in the graph, so every window runs the same graph);
 - plain steps are one token; a verified tree is padded to the smallest of `tree_sizes` it fits (the
   padding attends only to itself and is dropped by `keep_path`): one more graph per size. Rows are
   not free on 2 cores (bf16 SmolLM2 verify: 1 row 24.5 ms, 16 rows 27.9, 35 rows 37.8), so a tree
@@ -46,7 +48,7 @@ class _DecodingCache(StaticCache):
         return length.clone() if isinstance(length, torch.Tensor) else length
 
 
-def _inductor_settings() -> None:
+def inductor_settings() -> None:
     """Freezing folds the (constant) weights into the graph so inductor pre-packs them for oneDNN:
     measured here (bf16 SmolLM2-135M, one plain step) 40.8 ms eager → 33.9 compiled → 24.7 frozen."""
     import torch._inductor.config as inductor_config
@@ -79,7 +81,7 @@ class CompiledTarget(TargetModel):
         self.tree_size = self.tree_sizes[-1]  # the largest tree it takes
         self.capacity = max(_MIN_CAPACITY, int(capacity))
         self._cache: StaticCache | None = None
-        _inductor_settings()
+        inductor_settings()
         # One compiled function per step kind, one graph per tree size, each over a symbolic window.
         self._step = torch.compile(self._plain_step, fullgraph=True, dynamic=None)
         self._tree_step = torch.compile(self._tree_forward, fullgraph=True, dynamic=None)
@@ -272,9 +274,9 @@ class CompiledTarget(TargetModel):
 
 def compile_decoding(model: Any, *, tree_sizes: tuple[int, ...] | None = None, capacity: int = 1024) -> Any:
     """`model` (a `DartModel`) decoding through a `CompiledTarget` from now on, for its AR baseline and
-    its tree decoding alike. `tree_sizes` default: its tree settings' usual tree (the tree-size setting's
-    nodes + root) and its largest one (`DraftMethod.max_tree_nodes`). Compiles every shape before it
-    returns (`CompiledTarget.compile_now`). Returns it."""
+    its tree decoding alike, and a DART head's draft step through `CompiledDraftStep`. `tree_sizes`
+    default: its tree settings' usual tree (the tree-size setting's nodes + root) and its largest one
+    (`DraftMethod.max_tree_nodes`). Compiles every shape before it returns (`compile_now`). Returns it."""
     target = model.target
     if tree_sizes is None:
         method, tree = model.method, model.tree
@@ -283,4 +285,11 @@ def compile_decoding(model: Any, *, tree_sizes: tuple[int, ...] | None = None, c
     model.target = CompiledTarget(model.base_model, target.aux_layer_ids, tree_sizes=tree_sizes, capacity=capacity)
     model.target.compile_now()
     model.target.embedding_weight = target.embedding_weight
+    if model.method is not None and model.method.name == "dart":
+        from dart_infer.compiled_draft import CompiledDraftStep
+
+        # A step adds 1 + accepted positions: up to the draft's depth, or a copy span's.
+        deepest = max(model.method.max_depth(model.draft_model, model.tree), int(model.tree.copy_span_tokens))
+        model.compiled_draft = CompiledDraftStep(model.draft_model, max_new=1 + deepest, capacity=capacity)
+        model.compiled_draft.compile_now()
     return model

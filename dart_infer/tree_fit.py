@@ -50,3 +50,14 @@ def fit_tree(
                         "speedup_vs_ar": speedup})
         log.info("tree %s: τ %.2f, %.1f tok/s, %.2f× AR", setting, tau, rate, speedup)
     return sorted(results, key=lambda r: r["speedup_vs_ar"], reverse=True)
+
+
+def tree_sizes(model: DartModel, grid: Sequence[dict[str, int]]) -> tuple[int, ...]:
+    """The node counts a compiled target (`compile_decoding(model, tree_sizes=...)`) needs so that every
+    setting of `grid` is verified as it would be served on its own: each setting's usual tree and its
+    largest one (DART: the kept nodes, and those plus a copy span)."""
+    method, sizes = model.method, set()
+    for setting in grid:
+        tree = model.tree.with_overrides(setting)
+        sizes |= {1 + int(getattr(tree, method.tree_size_field)), method.max_tree_nodes(tree)}
+    return tuple(sorted(sizes))

@@ -56,3 +56,44 @@ def test_compiled_decoding_refuses_what_it_cannot_run() -> None:
     tree = torch.arange(6)
     with pytest.raises(ValueError, match="does not fit the compiled tree size 4"):
         target.verify(tree, torch.zeros(6, dtype=torch.long), torch.eye(6, dtype=torch.bool), cache)
+
+
+def test_fit_tree_on_the_compiled_step_verifies_each_setting_at_its_own_size() -> None:
+    """`dart-eval action=fit_tree compile=true`: the compiled target gets each setting's tree sizes, so a
+    setting is timed padded to its own size (not the grid's largest), and the fit stays lossless."""
+    from dart_infer.tree_fit import fit_tree, tree_sizes
+
+    torch.set_num_threads(1)
+    base, head = tiny_pair("llama", draft_vocab_size=40)
+    grid = [{"remain_total": 2, "copy_span_tokens": 0}, {"remain_total": 6, "copy_span_tokens": 4}]
+    model = DartModel(base, head, tree=TreeSearchSettings(draft_top_k=8, beam_width=4, remain_total=6))
+    assert tree_sizes(model, grid) == (3, 7, 11)
+    compile_decoding(model, tree_sizes=tree_sizes(model, grid), capacity=64)
+    prompts = [torch.randint(3, 48, (1, 6 + i), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    results = fit_tree(model, prompts, grid, max_new_tokens=16)
+    assert sorted(r["remain_total"] for r in results) == [2, 6]
+    for row in results:
+        assert row["tree_nodes"] <= 1 + row["remain_total"] + row["copy_span_tokens"] and row["tau"] >= 1
+    for ids in prompts:
+        assert torch.equal(model.dart_generate(ids, max_new_token_num=16, tree=grid[1]), reference(base, ids, 16))
+
+
+def test_compiled_draft_step_gives_the_eager_steps_logits() -> None:
+    """`CompiledDraftStep`: padded rows, explicit cache slots and a window give the eager draft step's
+    logits step after step (prompt eagerly, 1..max_new new positions compiled, longer ones eagerly)."""
+    from dart_infer.compiled_draft import CompiledDraftStep
+    from dart_infer.draft_head import DraftKVCache
+
+    torch.set_num_threads(1)
+    base, head = tiny_pair("llama", draft_vocab_size=40)
+    head = DartModel(base, head).draft_model  # the target's embedding attached
+    step = CompiledDraftStep(head, max_new=4, capacity=16)
+    compiled_cache, eager_cache = step.new_cache(), DraftKVCache()
+    generator = torch.Generator().manual_seed(0)
+    for n in (7, 1, 3, 4, 2, 6, 1, 4):  # 6 > max_new: eager through the same cache; 16 slots outgrown
+        aux = torch.randn(1, n, 3 * head.config.target_hidden_size, generator=generator)
+        ids = torch.randint(3, 48, (1, n), generator=generator)
+        ours, expected = step(aux, ids, compiled_cache), head.draft_step(aux, ids, eager_cache)
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+        assert compiled_cache.length == eager_cache.length
+    assert compiled_cache.capacity == 32

@@ -327,7 +327,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
 
 def run_fit_tree(cfg: DictConfig) -> Path:
     from dart_infer.conversations import chat_prompt, first_turn
-    from dart_infer.tree_fit import fit_tree
+    from dart_infer.tree_fit import fit_tree, tree_sizes
 
     check_count(cfg, "fit.prompts")
     check_count(cfg, "fit.max_new_tokens")
@@ -342,6 +342,10 @@ def run_fit_tree(cfg: DictConfig) -> Path:
     space = cfg.fit.eagle3_grid if eagle3 else cfg.fit.grid
     keys = list(space)
     grid = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(space[k] for k in keys))]
+    if cfg.compile:  # fitted on the compiled step it will be served with: each size its own graph
+        from dart_infer.compiled_target import compile_decoding
+
+        compile_decoding(model, tree_sizes=tree_sizes(model, grid))
     results = fit_tree(model, prompts, grid, cfg.fit.max_new_tokens)
     # The whole tree (the fields not searched as configured), so the file alone reproduces it.
     best = {**{k: v for k, v in asdict(model.tree).items() if k not in keys and v is not None},
@@ -356,6 +360,7 @@ def run_fit_tree(cfg: DictConfig) -> Path:
         "ngram_model": trie,
         "speedup_vs_ar": results[0]["speedup_vs_ar"],
         "method": "eagle3" if eagle3 else "dart",
+        "compiled": bool(cfg.compile),  # fitted on the compiled step (dart-eval compile=true) or the eager one
     }
     # The table before the file: a failed write still leaves the measurements on screen.
     print("| " + " | ".join(keys) + " | τ | tokens/s | speedup vs AR |")

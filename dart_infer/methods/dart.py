@@ -24,12 +24,14 @@ class DartDrafter:
     def __init__(self, model: Any, settings: TreeSearchSettings) -> None:
         self.draft, self.trie, self.eos_token_ids = model.draft_model, model.trie, model.eos_token_ids
         self.settings = settings
-        self.cache = DraftKVCache()
+        compiled = getattr(model, "compiled_draft", None)  # `compile_decoding`'s fixed-shape draft step
+        self.step = compiled or self.draft.draft_step
+        self.cache = compiled.new_cache() if compiled is not None else DraftKVCache()
         self.context = request_context(settings)  # this request's context n-grams (None: off)
         self.logits: torch.Tensor | None = None
 
     def update(self, aux_hidden_new: torch.Tensor, next_ids_new: torch.Tensor) -> None:
-        self.logits = self.draft.draft_step(aux_hidden_new, next_ids_new, self.cache)
+        self.logits = self.step(aux_hidden_new, next_ids_new, self.cache)
 
     def propose(self, history: torch.Tensor) -> DraftTree:
         assert self.logits is not None, "update() first"
