@@ -7,6 +7,8 @@ head's step (`draft_step`, n accepted positions + its masks) and the draft-vocab
 Part 2, `profile=True` generations (AR and DART interleaved over `--prompts` MT-Bench first turns):
 ms per step and per phase, tokens/s; the target's forward split into attention, MLP and lm_head
 (forward hooks on its modules) and everything else in it (embedding, norms, masks, dispatch).
+Part 1 also splits the AR step and the verification into attention, MLP, lm_head and the rest with
+torch.profiler (it sees the oneDNN linears and attention inside a compiled graph, `--compile`).
 Both parts print each number beside **the floor measured in the same run**: the time one forward
 needs just to read the target's weights at this machine's memory bandwidth (`--floor-gib` of bf16
 summed by torch on the same threads), since a batch-1 decoding step is bound by that read.
@@ -101,6 +103,47 @@ class ForwardSplit:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def linear_kinds(model: torch.nn.Module) -> dict[tuple[int, int], str]:
+    """Weight shape -> attention / mlp / lm_head for the target's linears (for SmolLM2 and most decoders
+    the shapes do not collide across kinds; a shape seen first wins)."""
+    kinds: dict[tuple[int, int], str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            kind = "lm_head" if name.endswith("lm_head") else "mlp" if ".mlp." in name else "attention"
+            kinds.setdefault(tuple(module.weight.shape), kind)
+    return kinds
+
+
+def profiled_split(fn: Callable[[], object], model: torch.nn.Module, repeats: int, wall: float) -> dict[str, float]:
+    """Seconds per call of `fn` inside the target's attention (SDPA and the q/k/v/o linears), MLP
+    linears and lm_head, from torch.profiler's per-op self times, which also sees into a compiled
+    graph (its oneDNN linears and attention are ops; the fused elementwise kernels are not): `rest`
+    is what is left of `wall`, the call's median without the profiler (whose own cost, ~40% more
+    here, falls between ops): fused norms, RoPE, SiLU, residual adds, cache writes, Python."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kinds = linear_kinds(model)
+    fn()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(repeats):
+            fn()
+    out = dict.fromkeys(ForwardSplit.KINDS, 0.0)
+    for event in prof.key_averages(group_by_input_shape=True):
+        name, seconds = event.key.lower(), event.self_cpu_time_total / 1e6 / repeats
+        if "scaled_dot_product" in name or "flash_attention" in name or name == "aten::bmm":
+            out["attention"] += seconds
+        elif any(word in name for word in ("linear", "addmm", "aten::mm", "matmul")):
+            kind = "unclassified linear"  # the weight is the 2-D input, either orientation
+            for shape in (tuple(shape) for shape in event.input_shapes if len(shape) == 2):
+                if shape in kinds or shape[::-1] in kinds:
+                    kind = kinds.get(shape) or kinds[shape[::-1]]
+                    break
+            out[kind] = out.get(kind, 0.0) + seconds
+    out["rest"] = wall - sum(out.values())
+    out["wall"] = wall
+    return out
 
 
 def main() -> None:
@@ -219,6 +262,7 @@ def main() -> None:
     def draft_lm_head() -> None:
         draft.lm_head(rows)
 
+    medians: dict[Callable[[], None], float] = {}
     if args.repeats > 0:
         print("| piece | CPU ms (median) | wall ms (median) | wall ms (best) | × floor (median) |\n|---|---|---|---|---|")
     for name, fn, reps in (
@@ -229,8 +273,17 @@ def main() -> None:
         (f"draft lm_head ({draft.config.draft_length} rows)", draft_lm_head, args.repeats),
     ) if args.repeats > 0 else ():
         median, best, cpu = timed(fn, reps)
+        medians[fn] = median
         print(f"| {name} | {cpu * 1e3:.2f} | {median * 1e3:.2f} | {best * 1e3:.2f} | {median / floor:.2f} |",
               flush=True)
+    if args.repeats > 0:  # where a target forward's time goes (the profiler sees into compiled graphs too)
+        print("\n| target forward | wall ms | attention (SDPA + q/k/v/o) | MLP | lm_head | other linears | rest "
+              "(fused elementwise, cache writes, Python) | × floor |\n|---|---|---|---|---|---|---|---|")
+        for name, fn in (("AR step (1 token)", ar_step), (f"verify ({n} nodes)", verify)):
+            part = profiled_split(fn, target.model, max(10, args.repeats // 10), medians[fn])
+            print(f"| {name} | {part['wall'] * 1e3:.2f} | " + " | ".join(
+                f"{part.get(k, 0.0) * 1e3:.2f}" for k in (*ForwardSplit.KINDS, "unclassified linear", "rest"))
+                + f" | {part['wall'] / floor:.2f} |", flush=True)
 
     if args.prompts <= 0:
         return
