@@ -5,7 +5,9 @@ installed): the product's own commands, in order, on one machine, and one JSON o
 2. `dart-train hardware=<gpu|cpu>`: a head trained for `--steps` optimiser steps (on a GPU: ZeRO-2,
    bf16, bounded anchors, BlockMask attention through compiled flex_attention), wall time, tokens/s,
    the memory estimate dart-train prints and the peak memory the run reached;
-3. `dart-eval tree=gpu` (the paper's tree): τ, tokens/s and speedup of DART against plain decoding.
+3. `dart-eval tree=gpu` (the paper's tree): τ, tokens/s and speedup of DART against plain decoding;
+4. with `--vllm-venv` (a venv holding vLLM and our plugin): the same head beside vLLM plain, vLLM's
+   prompt lookup and DART inside vLLM (`dart-eval methods=[ar,dart,vllm,vllm_ngram,vllm_dart]`).
 
 Writes `<out>/device_check.json` (+ the commands' logs and dart-eval's results.md); the runs
 themselves go to `--work` (checkpoints are not what comes back). `--dry-run`: CPU-sized budgets
@@ -33,17 +35,18 @@ ENTRY = {
 }
 
 
-def run_stage(name: str, overrides: list[str], out: Path, work: Path) -> tuple[str, float]:
-    """One command of the product as a fresh process; its output is kept in `<out>/<name>.log`."""
+def run_stage(name: str, overrides: list[str], out: Path, work: Path, log_name: str | None = None) -> tuple[str, float]:
+    """One command of the product as a fresh process; its output is kept in `<out>/<log_name>.log`."""
+    log_name = log_name or name
     started = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-c", ENTRY[name], *overrides, f"hydra.run.dir={work / 'hydra' / name}"],
+        [sys.executable, "-c", ENTRY[name], *overrides, f"hydra.run.dir={work / 'hydra' / log_name}"],
         capture_output=True, text=True, cwd=work,
     )
     seconds = time.perf_counter() - started
-    (out / f"{name}.log").write_text(result.stdout + result.stderr)
+    (out / f"{log_name}.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
-        raise RuntimeError(f"{name} failed ({result.returncode}); see {out / f'{name}.log'}:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"{name} failed ({result.returncode}); see {out / f'{log_name}.log'}:\n{result.stderr[-3000:]}")
     return result.stdout, seconds
 
 
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--limit", type=int, default=None, help="evaluation prompts")
     parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--vllm-venv", default=None, help="a venv with vLLM (CUDA wheel) and our plugin "
+                        "(scripts/vllm_plugin): adds stage 4, vLLM plain / ngram / DART beside our DART")
     args = parser.parse_args(argv)
 
     import torch
@@ -134,6 +139,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dart = next((row for label, row in table.items() if row.get("method") == "dart"), None)
     if dart is not None:
         report["tau"], report["speedup"] = dart.get("tau"), dart.get("speedup_vs_fastest_plain")
+    # 4. vLLM on the same prompts, methods interleaved (issue 31), where a venv with vLLM exists: the
+    #    lent machine has no network, and vLLM's CUDA wheel with its torch (~2 GB) does not travel in
+    #    64 MiB calls, so this stage runs only where one is already installed.
+    venv = Path(args.vllm_venv).resolve() if args.vllm_venv else None
+    if venv is None or not (venv / "bin" / "python").exists():
+        report["vllm"] = {"skipped": f"no vLLM venv ({venv or 'pass --vllm-venv'})"}
+    else:
+        os.environ["VLLM_VENV"] = str(venv)
+        _, seconds = run_stage("eval", [
+            *model, f"hardware={hardware}", "tree=gpu", f"draft_model={train_dir / 'head'}",
+            f"ngram_model={work / 'ngram' / 'full.ngt'}", f"benchmarks=[{prompts}]", f"limit={size['limit']}",
+            f"max_new_tokens={size['max_new_tokens']}", "temperature=[0.0]", f"out_dir={work / 'eval-vllm'}",
+            "methods=[ar,dart,vllm,vllm_ngram,vllm_dart]", "baseline_dtypes=[]", "model.dtype=bfloat16",
+        ], out, work, log_name="eval-vllm")
+        table = next(iter(next(iter(json.loads((work / "eval-vllm" / "results.json").read_text())["summary"]
+                                    .values())).values()))
+        report["vllm"] = {"seconds": seconds, "methods": {label: {k: row.get(k) for k in (*keys, "speedup_vs_vllm")}
+                                                          for label, row in table.items()}}
     (out / "device_check.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return report

@@ -59,8 +59,12 @@ if not (target / "config.json").is_file():
 (stash / "train.jsonl").write_bytes(lzma.decompress((data / "train.jsonl.xz").read_bytes()))
 EOF
     export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    # Stage 4 (vLLM beside our DART) where the machine has a venv with CUDA vLLM + our plugin at
+    # $STASH/vllm-venv; the lent machine has no network, so it is skipped (and says so) otherwise.
+    vllm=()
+    [[ -x $STASH/vllm-venv/bin/python ]] && vllm=(--vllm-venv "$STASH/vllm-venv")
     PYTHONUNBUFFERED=1 "$PY" "$REPO/scripts/device_check.py" --model "$STASH/smollm2" --data "$STASH/train.jsonl" \
-      --prompts "$REPO/.device/data/mtbench.jsonl" --out "$OUT" --work "$STASH/work" "${args[@]}"
+      --prompts "$REPO/.device/data/mtbench.jsonl" --out "$OUT" --work "$STASH/work" "${vllm[@]}" "${args[@]}"
     ;;
   *)
     sed -n 2,14p "$0"

@@ -37,6 +37,7 @@ def test_device_check_dry_run_writes_the_report(smollm2_tokenizer, tmp_path: Pat
     assert report["train"]["tokens_per_s"] > 0 and report["train"]["memory_estimate"].startswith("peak memory estimate")
     assert report["tau"] >= 1.0 and report["speedup"] > 0
     assert {"ar", "dart"} <= set(report["eval"]["methods"])
+    assert "no vLLM venv" in report["vllm"]["skipped"]  # stage 4 says why it did not run
     # What comes back from a device call: a few flat files (its limits: 8 files, plain names).
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert names == ["device_check.json", "eval.log", "ngram.log", "results.md", "train.log"]
