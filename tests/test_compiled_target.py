@@ -13,6 +13,7 @@ from dart_infer.compiled_target import CompiledTarget, compile_decoding
 from dart_infer.target import TargetModel
 
 WIDE = TreeSearchSettings(draft_top_k=48, beam_width=20, remain_total=40)
+pytestmark = pytest.mark.slow  # each test compiles graphs: 30-70 s on 2 cores
 
 
 def test_compiled_greedy_equals_generate_through_growth_and_reuse() -> None:
