@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
+from dart_infer.compiled_target import inductor_settings, window_length
 from dart_infer.draft_head import DraftKVCache
 
 __all__ = ["CompiledDraftStep", "StaticDraftCache"]
-
-_WINDOW_STEP = 64
 
 
 class StaticDraftCache(DraftKVCache):
@@ -37,10 +36,7 @@ class StaticDraftCache(DraftKVCache):
 
     def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.slots is None:  # eager: append after the committed prefix
-            if self.keys is None or self.keys.shape[-2] < self.length + keys.shape[-2]:
-                while self.capacity < self.length + keys.shape[-2]:
-                    self.capacity *= 2  # sizes stay powers of two: few distinct strides, few graphs
-                self._grow(keys, values)
+            self.make_room(self.length + keys.shape[-2], keys, values)
             return super().extend(keys, values)
         assert self.window is not None
         window_keys, window_values = self.window
@@ -48,7 +44,13 @@ class StaticDraftCache(DraftKVCache):
         window_values.index_copy_(2, self.slots, values)
         return window_keys, window_values
 
-    def _grow(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def make_room(self, needed: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Buffers (shaped like `keys`/`values`) of at least `needed` positions, contents kept; sizes
+        double, so compiled steps see few distinct strides."""
+        if self.keys is not None and self.keys.shape[-2] >= needed:
+            return
+        while self.capacity < needed:
+            self.capacity *= 2
         shape = (*keys.shape[:2], self.capacity, keys.shape[-1])
         grown_k, grown_v = keys.new_zeros(shape), values.new_zeros(shape)
         if self.keys is not None and self.length:
@@ -62,8 +64,6 @@ class CompiledDraftStep:
     arguments and result as `DartDraftModel.draft_step`). `new_cache()` gives the request's cache."""
 
     def __init__(self, draft: Any, *, max_new: int, capacity: int = 1024) -> None:
-        from dart_infer.compiled_target import inductor_settings
-
         self.draft, self.max_new, self.capacity = draft, int(max_new), int(capacity)
         self.num_masks = int(draft.config.draft_length) - 1
         inductor_settings()
@@ -98,10 +98,7 @@ class CompiledDraftStep:
         if n > self.max_new or cache.keys is None:  # the prompt (or an unusually long accept): eager
             return self.draft.draft_step(aux_hidden_new, next_ids_new, cache)
         rows, past, device = self.max_new + self.num_masks, cache.length, aux_hidden_new.device
-        if cache.capacity < past + rows:
-            while cache.capacity < past + rows:
-                cache.capacity *= 2
-            cache._grow(cache.keys, cache.values)
+        cache.make_room(past + rows, cache.keys, cache.values)
         aux = aux_hidden_new.new_zeros(1, self.max_new, aux_hidden_new.shape[-1])
         aux[:, :n] = aux_hidden_new
         ids = torch.zeros(1, self.max_new, dtype=torch.long, device=device)
@@ -112,7 +109,7 @@ class CompiledDraftStep:
                             torch.where(order >= self.max_new, past + n + order - self.max_new,
                                         past + self.num_masks + order))
         positions = torch.where(order >= self.max_new, past + n + order - self.max_new, past + order)[None]
-        window = min(cache.capacity, -(-(past + rows) // _WINDOW_STEP) * _WINDOW_STEP)
+        window = window_length(past + rows, cache.capacity)
         columns = torch.arange(window, device=device)
         # Real rows and masks see every slot up to their own (the prefix, real rows and masks before
         # them: exactly the eager step's causal mask); padding sees only its own slot.

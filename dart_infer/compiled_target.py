@@ -33,7 +33,7 @@ from transformers import StaticCache
 
 from dart_infer.target import TargetModel
 
-__all__ = ["CompiledTarget", "compile_decoding"]
+__all__ = ["CompiledTarget", "compile_decoding", "window_length"]
 
 _MIN_CAPACITY = 256
 _WINDOW_STEP = 64  # the attended cache length is a multiple of this
@@ -46,6 +46,12 @@ class _DecodingCache(StaticCache):
     def get_seq_length(self, layer_idx: int = 0) -> Any:
         length = super().get_seq_length(layer_idx)
         return length.clone() if isinstance(length, torch.Tensor) else length
+
+
+def window_length(length: int, capacity: int) -> int:
+    """The cache positions a compiled step attends over: `length` rounded up to `_WINDOW_STEP` (few
+    distinct sizes, one symbolic graph), at most the buffer's `capacity`."""
+    return min(capacity, -(-length // _WINDOW_STEP) * _WINDOW_STEP)
 
 
 def inductor_settings() -> None:
@@ -102,7 +108,7 @@ class CompiledTarget(TargetModel):
         positions of its buffer, with the length dimension symbolic, so one graph serves every window.
         Measured (bf16 SmolLM2, 2 threads): a 1,024-position cache costs the plain step 5 ms more than
         a 512-position one, all of it attention over empty positions."""
-        window = min(self.capacity, -(-length // _WINDOW_STEP) * _WINDOW_STEP)
+        window = window_length(length, self.capacity)
         for layer in cache.layers:
             if not layer.is_initialized:
                 continue
@@ -279,9 +285,7 @@ def compile_decoding(model: Any, *, tree_sizes: tuple[int, ...] | None = None, c
     (`DraftMethod.max_tree_nodes`). Compiles every shape before it returns (`compile_now`). Returns it."""
     target = model.target
     if tree_sizes is None:
-        method, tree = model.method, model.tree
-        tree_sizes = ((1 + int(getattr(tree, method.tree_size_field)), method.max_tree_nodes(tree))
-                      if method is not None else (1,))
+        tree_sizes = tuple(model.method.padded_tree_sizes(model.tree)) if model.method is not None else (1,)
     model.target = CompiledTarget(model.base_model, target.aux_layer_ids, tree_sizes=tree_sizes, capacity=capacity)
     model.target.compile_now()
     model.target.embedding_weight = target.embedding_weight

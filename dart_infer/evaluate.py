@@ -45,14 +45,12 @@ from dart_infer.errors import InputError
 from dart_infer.generate import DartModel
 from dart_infer.sampling import GREEDY_TEMPERATURE, Sampler
 from dart_infer.stats import wall_clock
+from dart_infer.vllm_runner import VLLM_METHODS
 
 log = logging.getLogger(__name__)
 
 METHODS = ("ar", "hf_generate", "prompt_lookup", "dart", "dart_no_trie")
-# vLLM engines in their own process (`dart_infer.vllm_runner`): plain decoding, its prompt lookup, the
-# DART head through our vLLM plugin (a chain, no trie; `dart_infer.vllm_plugin`) and an EAGLE-3 head
-# through vLLM's own EAGLE-3 drafter (a chain).
-VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_dart", "vllm_eagle3")
+# vLLM engines in their own process: dart_infer.vllm_runner.VLLM_METHODS.
 # Need something of their own (`Evaluator(eagle3=..., vllm={...})`), so not in the default set.
 EXTRA_METHODS = ("eagle3", *VLLM_METHODS)
 PLAIN = ("ar", "hf_generate", "vllm")  # plain decoding: the speedup baselines

@@ -56,8 +56,7 @@ def tree_sizes(model: DartModel, grid: Sequence[dict[str, int]]) -> tuple[int, .
     """The node counts a compiled target (`compile_decoding(model, tree_sizes=...)`) needs so that every
     setting of `grid` is verified as it would be served on its own: each setting's usual tree and its
     largest one (DART: the kept nodes, and those plus a copy span)."""
-    method, sizes = model.method, set()
+    sizes: set[int] = set()
     for setting in grid:
-        tree = model.tree.with_overrides(setting)
-        sizes |= {1 + int(getattr(tree, method.tree_size_field)), method.max_tree_nodes(tree)}
+        sizes |= model.method.padded_tree_sizes(model.tree.with_overrides(setting))
     return tuple(sorted(sizes))

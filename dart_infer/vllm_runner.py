@@ -16,9 +16,12 @@ from typing import Any
 
 from dart_infer.errors import InputError
 
-__all__ = ["VllmRunner", "start_engines", "vllm_env_script"]
+__all__ = ["VLLM_METHODS", "VllmRunner", "start_engines", "vllm_env_script"]
 
 _WORKER = Path(__file__).with_name("vllm_worker.py")
+# dart-eval's vLLM methods (`start_engines`): plain decoding, its prompt lookup, the DART head through
+# our plugin (a chain, no trie; `dart_infer.vllm_plugin`) and an EAGLE-3 head through vLLM's drafter.
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_dart", "vllm_eagle3")
 
 
 def vllm_env_script() -> Path:
@@ -104,9 +107,9 @@ def start_engines(
     Heads are checked and exported before any engine starts; a failed start closes the others."""
     from dart_infer.export import export_head
 
-    unknown = [m for m in methods if m not in ("vllm", "vllm_ngram", "vllm_dart", "vllm_eagle3")]
+    unknown = [m for m in methods if m not in VLLM_METHODS]
     if unknown:
-        raise InputError(f"methods: {unknown} are not vLLM methods (vllm, vllm_ngram, vllm_dart, vllm_eagle3)")
+        raise InputError(f"methods: {unknown} are not vLLM methods ({', '.join(VLLM_METHODS)})")
     if "vllm_eagle3" in methods and not eagle3_model:
         raise InputError("methods: 'vllm_eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
     configs: dict[str, dict[str, Any] | None] = {}

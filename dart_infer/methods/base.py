@@ -62,6 +62,11 @@ class DraftMethod(ABC):
         fixed-shape verification (`dart_infer.compiled_target`) must make room for."""
         return 1 + int(getattr(settings, self.tree_size_field))
 
+    def padded_tree_sizes(self, settings: Any) -> set[int]:
+        """The node counts a compiled target pads trees of `settings` to: the usual tree (the size
+        setting's nodes + root) and the largest one (`max_tree_nodes`; DART: plus a copy span)."""
+        return {1 + int(getattr(settings, self.tree_size_field)), self.max_tree_nodes(settings)}
+
     def load(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Any:
         """A head of this method from a directory, embedded name or Hub id; anything missing fails."""
         from dart_infer.loading import load_draft_model
