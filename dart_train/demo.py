@@ -16,7 +16,7 @@ from omegaconf import DictConfig, open_dict
 
 from dart_infer.cli import hydra_app
 from dart_infer.cli.checks import check_composed, hydra_error
-from dart_infer.errors import InputError
+from dart_infer.common.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ def hardware_choice() -> str | None:
 
 
 def serve_dtype(cfg: DictConfig) -> str:
-    """`serve_dtype` resolved (`dart_infer.dtypes.resolve_dtype_name`: auto = bf16 where native)."""
-    from dart_infer.dtypes import resolve_dtype_name
+    """`serve_dtype` resolved (`dart_infer.common.dtypes.resolve_dtype_name`: auto = bf16 where native)."""
+    from dart_infer.common.dtypes import resolve_dtype_name
 
     return resolve_dtype_name(str(cfg.serve_dtype))
 
@@ -116,8 +116,8 @@ def eval_config(cfg: DictConfig, head: Path | str, trie: Path) -> DictConfig:
 
 @hydra_app("demo")
 def main(cfg: DictConfig) -> None:
-    from dart_infer.assets import EMBEDDED_HEADS
     from dart_infer.cli.eval import run_eval
+    from dart_infer.data.assets import EMBEDDED_HEADS
 
     if int(cfg.train_steps) <= 0 and not cfg.draft_model:
         raise InputError("train_steps=0 skips training, so give the head to serve: draft_model=<name or directory>")

@@ -8,7 +8,7 @@ the ratios). Training: `scripts/bench_train.py --only` the online path `dart-tra
 packed rows, autocast head, labels-only; eager, no compile time in the numbers), real tokens/s of its
 micro-steps. Decoding: AR and DART (shipped head, default trie, the CPU tree, bf16) on MT-Bench first
 turns, tokens/s. Prints each run and the tcmalloc/glibc ratios. The console scripts pick tcmalloc
-themselves (dart_infer.allocator); this script sets LD_PRELOAD explicitly.
+themselves (dart_infer.common.allocator); this script sets LD_PRELOAD explicitly.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ TRAIN_VARIANT = "online bf16/packed/autocast/labels"  # what dart-train runs on 
 def decode_child(prompts: int, new_tokens: int) -> None:
     import torch
 
-    from dart_infer.allocator import allocator_in_use
     from dart_infer.cli.eval import benchmark_conversations
-    from dart_infer.conversations import chat_prompt, first_turn
-    from dart_infer.generate import DartModel
-    from dart_infer.resolve import default_trie_path, model_vocabulary, resolve_trie
+    from dart_infer.common.allocator import allocator_in_use
+    from dart_infer.data.conversations import chat_prompt, first_turn
+    from dart_infer.data.resolve import default_trie_path, model_vocabulary, resolve_trie
+    from dart_infer.decoding.dart_model import DartModel
 
     torch.set_num_threads(2)
     base = "smollm2-135m-instruct"
@@ -81,7 +81,7 @@ def main() -> None:
         decode_child(args.prompts, args.new_tokens)
         return
 
-    from dart_infer.allocator import find_tcmalloc
+    from dart_infer.common.allocator import find_tcmalloc
 
     tcmalloc = find_tcmalloc()
     if tcmalloc is None:

@@ -29,13 +29,13 @@ def median_ms(fn, repeats: int) -> float:
 def main() -> None:
     from transformers import AutoConfig
 
-    from dart_infer.assets import resolve_model
+    from dart_infer.data.assets import resolve_model
     from dart_infer.methods import get_method
     from dart_infer.methods.dart import DartDrafter
+    from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
     from dart_infer.methods.eagle3 import CPU_EAGLE3_TREE, Eagle3Drafter, Eagle3TreeSettings
-    from dart_infer.model import DartDraftConfig, DartDraftModel
-    from dart_infer.step_cost import use_fast_matmul_layout
-    from dart_infer.tree import CPU_TREE, TreeSearchSettings
+    from dart_infer.target.step_cost import use_fast_matmul_layout
+    from dart_infer.tree.settings import CPU_TREE, TreeSearchSettings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)

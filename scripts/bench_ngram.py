@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-# The original DART C++ code on this kind of machine (shared/reference/anchors.md).
+# The original DART C++ code, measured on a 2-core Xeon (docs/results/measured.md, "original DART").
 ANCHOR = {
     "nodes": 9_275_303,
     "disk_bytes_per_node": 36.0,
@@ -44,9 +44,9 @@ ANCHOR = {
 
 
 def tokenize(out: Path, limit: int | None) -> dict:
-    from dart_infer.assets import tokenizer_fingerprint
-    from dart_infer.conversations import load_conversations
-    from dart_infer.loading import load_tokenizer
+    from dart_infer.data.assets import tokenizer_fingerprint
+    from dart_infer.data.conversations import load_conversations
+    from dart_infer.data.loaders import load_tokenizer
     from ngram_builder.build import _flatten
 
     tok = load_tokenizer("smollm2-135m-instruct")

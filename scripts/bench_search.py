@@ -2,9 +2,9 @@
 
 Prints the median µs per search, with and without the n-gram trie, and with a context n-gram
 model (`--context-weight`; its history: one of the trie's documents, up to 2,000 tokens, then the
-case's prompt), through the public API (`dart_infer.search.tree_search` on torch tensors) and
+case's prompt), through the public API (`dart_infer.tree.search.tree_search` on torch tensors) and
 through the bare binding (numpy in/out), next to the original implementation's 1.9 ms
-(../shared/reference/anchors.md); then the per-step cost of keeping a context model up to date
+(measured on a 2-core Xeon, docs/results/measured.md); then the per-step cost of keeping a context model up to date
 (`ContextNgram.sync` with 4 new tokens).
 
     python scripts/bench_search.py [--repeats 20]
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dart_infer import _search
-from dart_infer.search import ContextNgram, tree_search
+from dart_infer.tree.search import ContextNgram, tree_search
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 ORIGINAL_US = 1900.0  # anchors.md: the original's tree search, same inputs and settings, this machine

@@ -14,7 +14,7 @@ needs just to read the target's weights at this machine's memory bandwidth (`--f
 summed by torch on the same threads), since a batch-1 decoding step is bound by that read.
 
 Only public APIs are used, so the same script measures another checkout (run it from there) for
-before/after numbers, back to the one that added `dart_infer.resolve` (`--trie` and `--dtype` are
+before/after numbers, back to the one that added `dart_infer.data.resolve` (`--trie` and `--dtype` are
 resolved as the commands resolve `ngram_model` and `serve_dtype`).
 
     python scripts/bench_step.py --threads 2 --dtype bfloat16 --prompts 4     # the shipped head + default trie
@@ -165,12 +165,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="generations per method (0: micro-benchmarks only)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--compile", action="store_true", help="decode through dart_infer.compiled_target (static "
+    parser.add_argument("--compile", action="store_true", help="decode through dart_infer.target.compiled (static "
                         "cache, frozen inductor graphs); the forward's attention/MLP split is then not observable")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dart_infer.dtypes import as_dtype, resolve_dtype_name
+    from dart_infer.common.dtypes import as_dtype, resolve_dtype_name
 
     args.dtype = resolve_dtype_name(args.dtype)
     dtype = as_dtype(args.dtype)
@@ -178,9 +178,9 @@ def main() -> None:
     from transformers import AutoConfig
 
     from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-    from dart_infer.assets import resolve_model
-    from dart_infer.model import DraftKVCache
-    from dart_infer.resolve import default_trie_path, model_vocabulary, resolve_trie
+    from dart_infer.data.assets import resolve_model
+    from dart_infer.data.resolve import default_trie_path, model_vocabulary, resolve_trie
+    from dart_infer.methods.dart.model import DraftKVCache
 
     tree = {"draft_top_k": 8, "beam_width": 6, "remain_total": args.nodes - 1} if args.tree == "nodes" else None
     head = args.head
@@ -202,7 +202,7 @@ def main() -> None:
     model = DartModel.from_pretrained(args.model, head, trie, dtype=dtype, tree=tree,
                                       chat_template=args.chat_template)
     if args.compile:
-        from dart_infer.compiled_target import compile_decoding
+        from dart_infer.decoding.compile import compile_decoding
 
         compile_decoding(model, capacity=args.context + args.max_new_tokens + 64)
     target, draft = model.target, model.draft_model
@@ -287,7 +287,7 @@ def main() -> None:
 
     if args.prompts <= 0:
         return
-    from dart_infer.conversations import chat_prompt, first_turn, load_conversations
+    from dart_infer.data.conversations import chat_prompt, first_turn, load_conversations
 
     prompts = [chat_prompt(model.tokenizer, first_turn(c)) for c in load_conversations("mtbench", limit=args.prompts)]
     model.ar_generate(prompts[0], max_new_token_num=8)

@@ -84,8 +84,8 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import DictConfig, open_dict
 
-    from dart_infer.cli import configs_dir
-    from dart_infer.conversations import load_conversations
+    from dart_infer.common.configs import configs_dir
+    from dart_infer.data.conversations import load_conversations
     from dart_train.builders import (
         build_head,
         load_target,
@@ -96,9 +96,9 @@ def main() -> None:
         template_kwargs,
         vocab_mapping_fn,
     )
-    from dart_train.dataset import build_dataset
-    from dart_train.engine import DartTrainer
-    from dart_train.state_cache import cache_bytes_per_token
+    from dart_train.data.dataset import build_dataset
+    from dart_train.states.cache import cache_bytes_per_token
+    from dart_train.trainer.engine import DartTrainer
 
     initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3")
 

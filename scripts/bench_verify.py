@@ -15,9 +15,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from dart_infer.assets import resolve_model
-from dart_infer.step_cost import use_fast_matmul_layout
-from dart_infer.target import TargetModel
+from dart_infer.data.assets import resolve_model
+from dart_infer.target.adapter import TargetModel
+from dart_infer.target.step_cost import use_fast_matmul_layout
 
 
 def best_of(fn, repeats: int) -> float:

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from dart_infer.cli import configs_dir
-from dart_infer.conversations import chat_prompt, first_turn, load_conversations
-from dart_infer.generate import DartModel
-from dart_train.dataset import build_dataset
-from dart_train.evaluate import SimulatedTau
-from dart_train.online_states import OnlineStateSource
+from dart_infer.common.configs import configs_dir
+from dart_infer.data.conversations import chat_prompt, first_turn, load_conversations
+from dart_infer.decoding.dart_model import DartModel
+from dart_train.data.dataset import build_dataset
+from dart_train.states.online import OnlineStateSource
+from dart_train.trainer.simulated_tau import SimulatedTau
 
 
 def main() -> None:

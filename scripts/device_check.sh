@@ -51,7 +51,7 @@ case $stage in
     "$PY" - "$gguf" "$STASH/smollm2" "$REPO/.device/data" "$STASH" <<'EOF'
 import lzma, sys
 from pathlib import Path
-from dart_infer.assets import _convert_gguf  # the conversion `resolve_model` does for the embedded model
+from dart_infer.data.assets import _convert_gguf  # the conversion `resolve_model` does for the embedded model
 
 gguf, target, data, stash = (Path(a) for a in sys.argv[1:])
 if not (target / "config.json").is_file():

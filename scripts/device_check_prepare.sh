@@ -45,7 +45,7 @@ done
 # 2. Data: ShareGPT train conversations (the leak-free split) and MT-Bench prompts, as JSONL.
 OMP_NUM_THREADS=1 "$PY" - "$CONVERSATIONS" "$PROMPTS" <<'EOF'
 import json, lzma, sys
-from dart_infer.conversations import load_conversations
+from dart_infer.data.conversations import load_conversations
 
 def rows(conversations):
     return "".join(json.dumps({"id": str(c.id), "messages": c.messages}) + "\n" for c in conversations)
@@ -59,7 +59,7 @@ print(f"data: {len(train)} training conversations, {len(prompts)} MT-Bench promp
 EOF
 
 # 3. The model in parts.
-GGUF=$("$PY" -c "from dart_infer.assets import EMBEDDED_MODELS as E, asset_path as a; e = E['smollm2-135m-instruct']; print(a(e.package, e.module, e.gguf_file))")
+GGUF=$("$PY" -c "from dart_infer.data.assets import EMBEDDED_MODELS as E, asset_path as a; e = E['smollm2-135m-instruct']; print(a(e.package, e.module, e.gguf_file))")
 tree_bytes=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb 2>/dev/null | awk '/total$/ {s += $1} END {print s}')
 last_bytes=$(du -cb .device/whl .device/data | awk '/total$/ {print $1}')
 part_bytes=$(( BUDGET_MB * 1024 * 1024 - tree_bytes - last_bytes ))

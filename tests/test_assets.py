@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dart_infer import assets
+from dart_infer.data import assets
 
 
 def test_hub_ids_and_paths_pass_through(tmp_path: Path) -> None:
@@ -83,7 +83,7 @@ def test_tokenizer_fingerprint_tells_tokenizers_apart(smollm2_tokenizer) -> None
 
 
 def test_shipped_head_resolves_by_name_in_bf16_within_the_size_limit() -> None:
-    from dart_infer.loading import load_draft_model
+    from dart_infer.methods.loading import load_draft_model
 
     name = "dart-smollm2-135m-instruct"
     directory = Path(assets.resolve_model(name.upper()))  # names are case-insensitive

@@ -1,4 +1,4 @@
-"""Chat templates for base models without one (`model.chat_template`, `dart_infer.loading.load_tokenizer`):
+"""Chat templates for base models without one (`model.chat_template`, `dart_infer.data.loaders.load_tokenizer`):
 the built-ins' exact renderings and loss masks (golden), the ways to name a template, the errors without
 one, and the setting reaching the tokenizer in every tool (dart-ngram, dart-train, dart-eval, dart-app,
 dart-demo). Real tokenizers: SmolLM2's, on which `<start_of_turn>` is ordinary text (several tokens), and
@@ -14,14 +14,14 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from dart_infer.conversations import chat_prompt
-from dart_infer.loading import (
+from dart_infer.data.chat_templates import (
     BUILTIN_CHAT_TEMPLATES,
     builtin_chat_template,
-    load_tokenizer,
     resolve_chat_template,
 )
-from dart_train.template import ChatTemplateError, check_chat_template, tokenize_conversation
+from dart_infer.data.conversations import chat_prompt
+from dart_infer.data.loaders import load_tokenizer
+from dart_train.data.template import ChatTemplateError, check_chat_template, tokenize_conversation
 
 pytestmark = pytest.mark.smollm2  # SmolLM2's real tokenizer throughout
 
@@ -150,7 +150,7 @@ def test_load_tokenizer_takes_a_builtin_a_file_or_a_jinja_string(tmp_path: Path,
     assert load_tokenizer(MODEL, "").chat_template == own
     for name in BUILTIN_CHAT_TEMPLATES:
         assert load_tokenizer(MODEL, name).chat_template == builtin_chat_template(name)
-        assert (Path(__file__).parents[1] / "dart_infer" / "templates" / f"{name}.jinja").read_text() == (
+        assert (Path(__file__).parents[1] / "dart_infer" / "data" / "templates" / f"{name}.jinja").read_text() == (
             builtin_chat_template(name)
         )
     literal = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -200,7 +200,7 @@ def test_a_tokenizer_without_a_template_is_an_error_that_names_the_setting(smoll
 @pytest.fixture(scope="module")
 def saved_tiny_pair(tmp_path_factory, smollm2_tokenizer) -> tuple[Path, Path]:
     """A tiny random Llama saved with SmolLM2's tokenizer (its own template), and a head for it."""
-    from dart_infer.model import DartDraftConfig, DartDraftModel
+    from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
 
     base = tiny_llama(0, vocab_size=len(smollm2_tokenizer), head_dim=8, max_position_embeddings=512,
                       bos_token_id=smollm2_tokenizer.bos_token_id, eos_token_id=smollm2_tokenizer.eos_token_id)
@@ -216,7 +216,7 @@ def saved_tiny_pair(tmp_path_factory, smollm2_tokenizer) -> tuple[Path, Path]:
 def _hydra():
     from hydra import initialize_config_dir
 
-    from dart_infer.cli import configs_dir
+    from dart_infer.common.configs import configs_dir
 
     return initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3")
 

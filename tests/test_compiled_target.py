@@ -1,4 +1,4 @@
-"""The compiled target (`dart_infer.compiled_target`): static cache, fixed-shape frozen inductor steps.
+"""The compiled target (`dart_infer.target.compiled`): static cache, fixed-shape frozen inductor steps.
 Lossless like the eager adapter (fp32 greedy DART and AR equal `generate`), across cache growth and
 keep-path gathers, with no recompilation from one request to the next; one-line refusals otherwise."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import reference, tiny_pair
 
-from dart_infer import DartModel, TreeSearchSettings
-from dart_infer.compiled_target import CompiledTarget, compile_decoding
-from dart_infer.target import TargetModel
+from dart_infer import DartModel, TreeSearchSettings, compile_decoding
+from dart_infer.target.adapter import TargetModel
+from dart_infer.target.compiled import CompiledTarget
 
 WIDE = TreeSearchSettings(draft_top_k=48, beam_width=20, remain_total=40)
 pytestmark = pytest.mark.slow  # each test compiles graphs: 30-70 s on 2 cores
@@ -62,7 +62,7 @@ def test_compiled_decoding_refuses_what_it_cannot_run() -> None:
 def test_fit_tree_on_the_compiled_step_verifies_each_setting_at_its_own_size() -> None:
     """`dart-eval action=fit_tree compile=true`: the compiled target gets each setting's tree sizes, so a
     setting is timed padded to its own size (not the grid's largest), and the fit stays lossless."""
-    from dart_infer.tree_fit import fit_tree, tree_sizes
+    from dart_infer.evaluation.tree_fit import fit_tree, tree_sizes
 
     torch.set_num_threads(1)
     base, head = tiny_pair("llama", draft_vocab_size=40)
@@ -82,8 +82,8 @@ def test_fit_tree_on_the_compiled_step_verifies_each_setting_at_its_own_size() -
 def test_compiled_draft_step_gives_the_eager_steps_logits() -> None:
     """`CompiledDraftStep`: padded rows, explicit cache slots and a window give the eager draft step's
     logits step after step (prompt eagerly, 1..max_new new positions compiled, longer ones eagerly)."""
-    from dart_infer.compiled_draft import CompiledDraftStep
-    from dart_infer.draft_head import DraftKVCache
+    from dart_infer.methods.dart.compiled_draft import CompiledDraftStep
+    from dart_infer.methods.draft_head import DraftKVCache
 
     torch.set_num_threads(1)
     base, head = tiny_pair("llama", draft_vocab_size=40)

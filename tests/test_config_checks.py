@@ -17,10 +17,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 
-from dart_infer.assets import check_model_reference
-from dart_infer.cli import configs_dir
 from dart_infer.cli.checks import MISSING, check_config, hydra_error, leaves
-from dart_infer.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, InputError, report
+from dart_infer.common.configs import configs_dir
+from dart_infer.common.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, InputError, report
+from dart_infer.data.assets import check_model_reference
 
 COMMANDS = ("train", "ngram", "eval", "demo", "app")
 # Group choices whose options add keys of their own: swept as well as the defaults.

@@ -14,8 +14,8 @@ import torch
 from helpers import EOS, FIXTURES, bigram_machine, check_encoding, node_paths, reference, tiny_pair
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-from dart_infer.search import ContextNgram, tree_search
-from dart_infer.tree import TreeSearchSettings, draft_trees, request_context
+from dart_infer.tree.search import ContextNgram, tree_search
+from dart_infer.tree.settings import TreeSearchSettings, draft_trees, request_context
 from ngram_builder import NgramTrie
 
 # ----------------------------------------------------------------------------------------------
@@ -481,10 +481,10 @@ TREE_EXTRAS = {
 
 @pytest.mark.parametrize("extra", list(TREE_EXTRAS))
 def test_simulated_tau_sees_tree_extras_as_serving_does(extra: str) -> None:
-    from dart_infer.target import TargetModel
-    from dart_train.dataset import TokenizedDataset
-    from dart_train.evaluate import SimulatedTau
+    from dart_infer.target.adapter import TargetModel
+    from dart_train.data.dataset import TokenizedDataset
     from dart_train.states import OnlineStateSource
+    from dart_train.trainer.simulated_tau import SimulatedTau
 
     tree, off, reach, new_tokens = TREE_EXTRAS[extra]
     base, _ = bigram_machine(seed=1)

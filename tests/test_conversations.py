@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dart_infer.conversations import (
+from dart_infer.data.conversations import (
     Conversation,
     is_heldout,
     load_conversations,

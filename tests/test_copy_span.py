@@ -11,7 +11,13 @@ import torch
 from helpers import bigram_machine, reference, tiny_pair
 
 from dart_infer import DartModel
-from dart_infer.tree import DraftTree, TreeSearchSettings, copy_span, tree_from_parents, with_copy_span
+from dart_infer.tree.settings import (
+    DraftTree,
+    TreeSearchSettings,
+    copy_span,
+    tree_from_parents,
+    with_copy_span,
+)
 
 
 def history(*tokens: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from helpers import (
 )
 from safetensors.torch import save_file
 
-from dart_infer.generate import DartModel
+from dart_infer.decoding.dart_model import DartModel
 from dart_infer.methods.eagle3 import (
     Eagle3DraftConfig,
     Eagle3DraftModel,
@@ -26,7 +26,7 @@ from dart_infer.methods.eagle3 import (
     TreeDraftCache,
     load_eagle3_model,
 )
-from dart_infer.tree import TreeSearchSettings
+from dart_infer.tree.settings import TreeSearchSettings
 
 
 def eagle3_pair(kind: str = "llama", draft_vocab_size: int | None = None, seed: int = 0):
@@ -240,7 +240,7 @@ def test_smollm2_greedy_is_lossless(smollm2_dir: str, smollm2_tokenizer) -> None
     prompt, fp32, a random head with the CPU tree: token for token `generate(do_sample=False)`."""
     from transformers import AutoModelForCausalLM
 
-    from dart_infer.conversations import load_conversations
+    from dart_infer.data.conversations import load_conversations
 
     base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 
 def test_dart_train_eagle3_end_to_end(tiny_checkpoint, conversations_file, tmp_path) -> None:
-    from dart_infer.generate import DartModel
+    from dart_infer.decoding.dart_model import DartModel
 
     out = tmp_path / "run"
     args = ["draft=eagle3", *train_overrides(tiny_checkpoint, conversations_file, out)]

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import run_dart_eval
 
-from dart_infer.conversations import load_conversations
-from dart_infer.evaluate import EvalSettings, Evaluator
+from dart_infer.data.conversations import load_conversations
+from dart_infer.evaluation.evaluate import EvalSettings, Evaluator
 from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
 
 

@@ -8,8 +8,8 @@ from helpers import tiny_llama
 from transformers import LlamaForCausalLM
 
 from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, chain_logits
-from dart_infer.target import TargetModel
-from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
+from dart_infer.target.adapter import TargetModel
+from dart_train.objectives import annealed_kl_loss, build_layout, draft_forward
 
 VOCAB = 97
 DRAFT_VOCAB = 40
@@ -117,10 +117,10 @@ def test_ttt_loss_trains_the_head_and_reaches_every_step() -> None:
 def test_simulated_tau_matches_eagle3_generate_on_greedy_data() -> None:
     """On target-greedy data, simulated acceptance per anchor (EAGLE-3's own tree, `anchor_trees`)
     equals serving's acceptance (a `DartModel` with the EAGLE-3 head) at that decoding step."""
-    from dart_infer.generate import DartModel
-    from dart_train.dataset import TokenizedDataset
-    from dart_train.evaluate import SimulatedTau
-    from dart_train.online_states import OnlineStateSource
+    from dart_infer.decoding.dart_model import DartModel
+    from dart_train.data.dataset import TokenizedDataset
+    from dart_train.states.online import OnlineStateSource
+    from dart_train.trainer.simulated_tau import SimulatedTau
 
     vocab = 16  # a small vocabulary makes deep acceptances common with a random head
     base = tiny_llama(0, **{**TARGET, "vocab_size": vocab})

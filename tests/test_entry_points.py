@@ -43,8 +43,8 @@ def test_demo_evaluates_dart_in_its_serving_dtype_against_baselines_in_every_dty
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from dart_infer.cli import configs_dir
-    from dart_infer.generate import native_bf16
+    from dart_infer.common.configs import configs_dir
+    from dart_infer.decoding.dart_model import native_bf16
     from dart_train.demo import eval_config, serve_dtype
 
     fit = tmp_path / "fit_tree.yaml"
@@ -68,7 +68,7 @@ def test_demo_passes_its_hardware_to_the_training_and_evaluation_stages(tmp_path
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from dart_infer.cli import configs_dir
+    from dart_infer.common.configs import configs_dir
     from dart_train.demo import _compose, eval_config
 
     def demo(*overrides: str):  # as the running app sees it: HydraConfig knows the group choices
@@ -91,9 +91,9 @@ def test_demo_passes_its_hardware_to_the_training_and_evaluation_stages(tmp_path
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_console_scripts_run_under_tcmalloc_unless_told_otherwise(name: str, tmp_path: Path) -> None:
-    # dart_infer.allocator re-executes the script with tcmalloc preloaded (~1.2x faster CPU training);
+    # dart_infer.common.allocator re-executes the script with tcmalloc preloaded (~1.2x faster CPU training);
     # the line comes from the process's own memory map, so it says what the process really runs with.
-    from dart_infer.allocator import find_tcmalloc
+    from dart_infer.common.allocator import find_tcmalloc
 
     assert find_tcmalloc(), "tcmalloc is not installed: `make venv` installs libtcmalloc-minimal4"
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DART_ALLOCATOR")}

@@ -17,13 +17,13 @@ from helpers import run_dart_eval
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from dart_infer.cli import configs_dir
 from dart_infer.cli import eval as eval_cli
 from dart_infer.cli.eval_checks import check_out_dir
-from dart_infer.errors import InputError
-from dart_infer.eval_records import RECORDS_FILE, RecordStore
-from dart_infer.evaluate import Evaluator
-from dart_infer.results import ResultsNotWritten, write_plots
+from dart_infer.common.configs import configs_dir
+from dart_infer.common.errors import InputError
+from dart_infer.evaluation.evaluate import Evaluator
+from dart_infer.evaluation.records import RECORDS_FILE, RecordStore
+from dart_infer.evaluation.results import ResultsNotWritten, write_plots
 
 # mtbench with both turns: the second turn's prompt holds the first answer, so a resumed run has to
 # rebuild it from the saved records. 2 prompts x 2 turns = 4 measurements, 2 methods each.
@@ -251,7 +251,7 @@ def test_a_foreign_records_file_is_not_touched(tiny_dart, tmp_path: Path, no_mod
 
 def test_failed_results_write_keeps_the_table_and_the_records(tiny_dart, tmp_path: Path, monkeypatch,
                                                               capsys, caplog) -> None:
-    import dart_infer.results as results
+    import dart_infer.evaluation.results as results
 
     _, root = tiny_dart
     out = tmp_path / "out"
@@ -283,7 +283,7 @@ def test_failed_results_write_keeps_the_table_and_the_records(tiny_dart, tmp_pat
 
 
 def test_a_failed_plot_is_a_warning(tiny_dart, tmp_path: Path, monkeypatch, capsys, caplog) -> None:
-    import dart_infer.results as results
+    import dart_infer.evaluation.results as results
 
     _, root = tiny_dart
     out = tmp_path / "out"

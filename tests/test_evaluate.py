@@ -11,10 +11,10 @@ import yaml
 from helpers import run_dart_eval
 
 from dart_infer import DartModel
-from dart_infer.conversations import chat_prompt, load_conversations
-from dart_infer.evaluate import METHODS, EvalSettings, Evaluator, Sampling
-from dart_infer.results import markdown_table, save_results, summarize
-from dart_infer.tree_fit import fit_tree
+from dart_infer.data.conversations import chat_prompt, load_conversations
+from dart_infer.evaluation.evaluate import METHODS, EvalSettings, Evaluator, Sampling
+from dart_infer.evaluation.results import markdown_table, save_results, summarize
+from dart_infer.evaluation.tree_fit import fit_tree
 from ngram_builder import NgramTrie
 
 
@@ -108,7 +108,7 @@ def test_cli_end_to_end(tiny_dart, tmp_path: Path) -> None:
     assert set(summary) == {"humaneval", str(prompts)}
     assert summary["humaneval"]["T=0"]["dart"]["identical_to_ar"] == 1.0
     # The float32 CPU default (the tiny model serves in fp32) with the one field overridden.
-    from dart_infer.generate import CPU_FP32_TREE
+    from dart_infer.decoding.dart_model import CPU_FP32_TREE
 
     assert saved["meta"]["tree"]["remain_total"] == 4
     assert saved["meta"]["tree"]["draft_top_k"] == CPU_FP32_TREE.draft_top_k
@@ -205,7 +205,7 @@ def test_sampling_settings_reach_every_method_with_equal_seeds(tiny_dart) -> Non
 
 
 def test_fit_tree_writes_into_out_dir_and_tree_accepts_the_file(tiny_dart, tmp_path: Path) -> None:
-    from dart_infer.cli import configs_dir
+    from dart_infer.common.configs import configs_dir
 
     _, root = tiny_dart
     configs_before = sorted(p.name for p in (configs_dir() / "tree").iterdir())

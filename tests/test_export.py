@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dart_infer.cli.export import main as export_main
-from dart_infer.export import SPEC_CONFIG_FILE, export_head
-from dart_infer.generate import DartModel
+from dart_infer.decoding.dart_model import DartModel
+from dart_infer.engines.export import SPEC_CONFIG_FILE, export_head
 from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel, load_eagle3_model
 
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "1, 2, 3, 4, 5,"]
@@ -222,8 +222,8 @@ def test_vllm_serves_the_export_losslessly(fitted, vllm_target_dir, tmp_path: Pa
 def test_dart_eval_serves_an_eagle3_head_through_vllm(fitted, vllm_target_dir, tmp_path: Path) -> None:
     """dart-eval's `vllm_eagle3`: the head exported for vLLM's EAGLE-3 drafter, fed the same prompt ids,
     lossless (fp32 greedy = transformers) and reporting each step's accepted drafts."""
-    from dart_infer.errors import InputError
-    from dart_infer.vllm_runner import start_engines
+    from dart_infer.common.errors import InputError
+    from dart_infer.engines.vllm.runner import start_engines
 
     head_dir, prompts = fitted
     with pytest.raises(InputError, match="needs eagle3_model"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dart_infer import assets
+from dart_infer.data import assets
 
 
 def test_a_damaged_chunk_set_is_refused_with_the_reinstall_command(tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_converted_gemma3_matches_the_gguf_and_renders_gemma_turns(gemma3_dir: s
     for marker in ("<start_of_turn>", "<end_of_turn>"):
         assert len(tokenizer(marker, add_special_tokens=False).input_ids) == 1, marker  # real special tokens
     # Every answer ends with <end_of_turn>: generation stops there (as Gemma's instruct models: [1, 106]).
-    from dart_infer.loading import eos_token_ids
+    from dart_infer.data.loaders import eos_token_ids
 
     assert eos_token_ids(converted, tokenizer) == (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>"))
 
@@ -91,8 +91,8 @@ def test_greedy_dart_equals_generate_past_the_sliding_window(gemma3_dir: str) ->
 def test_gemmas_own_tokenizer_trains_each_answer_and_its_end_of_turn(gemma3_dir: str) -> None:
     """Golden loss mask on the real Gemma tokenizer, as every tool loads it: the conversation renders
     in Gemma's turn format and exactly each answer + its single <end_of_turn> token is trained."""
-    from dart_infer.loading import load_tokenizer
-    from dart_train.template import tokenize_conversation
+    from dart_infer.data.loaders import load_tokenizer
+    from dart_train.data.template import tokenize_conversation
 
     tokenizer = load_tokenizer("gemma3-270m")
     messages = [

@@ -10,7 +10,7 @@ from helpers import COMMON, reference, tiny_llama_config, tiny_pair
 from transformers import LlamaForCausalLM
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel, TreeSearchSettings
-from dart_infer.sampling import greedy_accept
+from dart_infer.decoding.sampling import greedy_accept
 
 TREES = [
     TreeSearchSettings(draft_top_k=48, beam_width=20, remain_total=40),  # wide: many accepted paths
@@ -196,8 +196,8 @@ def test_from_pretrained_with_the_embedded_model_and_a_saved_head(tmp_path: Path
 
 def sharegpt_trie(tokenizer, conversations: int):
     """A 3-gram trie of ShareGPT conversations (chat template applied) and the token counts."""
-    from dart_infer.assets import tokenizer_fingerprint
-    from dart_infer.conversations import load_conversations
+    from dart_infer.data.assets import tokenizer_fingerprint
+    from dart_infer.data.conversations import load_conversations
     from ngram_builder import NgramTrie
 
     trie = NgramTrie(3, vocab_size=len(tokenizer), tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
@@ -218,7 +218,7 @@ def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokeniz
     token for token what `generate(do_sample=False)` produces."""
     from transformers import AutoModelForCausalLM
 
-    from dart_infer.conversations import load_conversations
+    from dart_infer.data.conversations import load_conversations
 
     base = AutoModelForCausalLM.from_pretrained(
         smollm2_dir, dtype=torch.float32, attn_implementation="sdpa"
@@ -265,7 +265,7 @@ def test_smollm2_rejects_a_trie_from_another_tokenizer(smollm2_dir: str, smollm2
 
 
 def test_load_trie_prefers_the_requested_size_then_the_compact_format(tmp_path: Path) -> None:
-    from dart_infer.loading import load_trie
+    from dart_infer.data.loaders import load_trie
     from ngram_builder import NgramTrie
 
     for name, docs in (("full", [[5, 6, 7, 2]]), ("small", [[8, 9, 2]])):
@@ -308,8 +308,8 @@ def test_from_pretrained_picks_the_tree_for_its_device(saved_pair: Path) -> None
 
     import yaml
 
-    from dart_infer.cli import configs_dir
-    from dart_infer.generate import CPU_FP32_TREE, CPU_TREE, default_tree
+    from dart_infer.common.configs import configs_dir
+    from dart_infer.decoding.dart_model import CPU_FP32_TREE, CPU_TREE, default_tree
 
     model = DartModel.from_pretrained(str(saved_pair / "base"), str(saved_pair / "head"))  # float32
     assert model.tree == default_tree("cpu", torch.float32) == CPU_FP32_TREE and model.tree.remain_total == 6
@@ -334,7 +334,7 @@ def test_from_pretrained_picks_the_tree_for_its_device(saved_pair: Path) -> None
 
 
 def test_bf16_serving_loads_and_copies_consistently(saved_pair: Path) -> None:
-    from dart_infer.generate import as_dtype
+    from dart_infer.decoding.dart_model import as_dtype
 
     base, head = str(saved_pair / "base"), str(saved_pair / "head")
     fp32 = DartModel.from_pretrained(base, head, dtype="float32")

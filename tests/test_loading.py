@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from transformers import GenerationConfig, LlamaConfig
 
-from dart_infer.loading import eos_token_ids
+from dart_infer.data.loaders import eos_token_ids
 
 # Llama-3 ids: <|end_of_text|> 128001, <|eom_id|> 128008, <|eot_id|> 128009 (the chat turn end).
 END_OF_TEXT, EOM, EOT = 128001, 128008, 128009
@@ -38,10 +38,10 @@ def test_sources_and_their_absence() -> None:
 
 
 def test_regenerate_stops_at_the_serving_eos_set(monkeypatch, tmp_path) -> None:
-    """`dart_train.regenerate` asks the same resolver, so it ends answers where serving does."""
+    """`dart_train.data.regenerate` asks the same resolver, so it ends answers where serving does."""
     import torch
 
-    from dart_train import regenerate as regen
+    from dart_train.data import regenerate as regen
 
     seen: dict[str, object] = {}
 
@@ -70,7 +70,7 @@ def test_regenerate_stops_at_the_serving_eos_set(monkeypatch, tmp_path) -> None:
         def decode(self, ids, skip_special_tokens=True):
             return "ok"
 
-    monkeypatch.setattr("dart_train.template.check_chat_template", lambda tokenizer: None)
+    monkeypatch.setattr("dart_train.data.template.check_chat_template", lambda tokenizer: None)
     conversation = SimpleNamespace(id="c", messages=[{"role": "user", "content": "hi"}], source="t", meta={})
     stats = regen.regenerate(Model(), Tokenizer(), [conversation], tmp_path / "out.jsonl", max_new_tokens=4)
     assert seen["eos"] == list(eos_token_ids(Model(), Tokenizer())) == [END_OF_TEXT, EOT]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import reference, tiny_pair
 
-from dart_infer.generate import DartModel
+from dart_infer.decoding.dart_model import DartModel
 from dart_infer.methods import get_method, load_head, method_for_config, method_names, method_of
+from dart_infer.methods.dart.model import AUTHORS_ARCHITECTURE, DartDraftModel
 from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
-from dart_infer.model import AUTHORS_ARCHITECTURE, DartDraftModel
 
 
 def eagle3_head(base) -> Eagle3DraftModel:

@@ -11,8 +11,14 @@ from helpers import tiny_llama, tiny_llama_config
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3TextConfig, Qwen3Config
 
-from dart_infer.loading import load_draft_model
-from dart_infer.model import CHECKPOINT_KEYS, DartDraftConfig, DartDraftModel, DraftKVCache, causal_mask
+from dart_infer.methods.dart.model import (
+    CHECKPOINT_KEYS,
+    DartDraftConfig,
+    DartDraftModel,
+    DraftKVCache,
+    causal_mask,
+)
+from dart_infer.methods.loading import load_draft_model
 
 # The heads' target: tiny_llama fields, with the sizes, RoPE base and norm epsilon the config tests check.
 TARGET = dict(vocab_size=101, intermediate_size=48, head_dim=8, max_position_embeddings=256, rope_theta=5000.0,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from dart_infer.assets import tokenizer_fingerprint
-from dart_infer.cli import configs_dir
 from dart_infer.cli.ngram import run
+from dart_infer.common.configs import configs_dir
+from dart_infer.data.assets import tokenizer_fingerprint
 from ngram_builder import NgramTrie
 from ngram_builder.build import MalformedLineError
 

@@ -1,4 +1,4 @@
-"""dart_train.regenerate: batched, resumable self-distillation data that load_conversations reads back."""
+"""dart_train.data.regenerate: batched, resumable self-distillation data that load_conversations reads back."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from dart_infer.conversations import Conversation, load_conversations
-from dart_train.dataset import build_dataset
-from dart_train.regenerate import regenerate
+from dart_infer.data.conversations import Conversation, load_conversations
+from dart_train.data.dataset import build_dataset
+from dart_train.data.regenerate import regenerate
 
 NEW_TOKENS = 6
 

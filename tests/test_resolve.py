@@ -1,7 +1,7 @@
-"""The one resolver of each setting every entry point shares: a trie setting (`dart_infer.resolve`:
+"""The one resolver of each setting every entry point shares: a trie setting (`dart_infer.data.resolve`:
 auto / null / a path, with real tiny tries and SmolLM2's tokenizer), dtype settings
-(`dart_infer.dtypes.resolve_dtype`: auto = bf16 where native, whoever asks), and the trainer settings
-read from the structured `optim` / `trainer` / `logging` groups (`dart_train.settings`)."""
+(`dart_infer.common.dtypes.resolve_dtype`: auto = bf16 where native, whoever asks), and the trainer settings
+read from the structured `optim` / `trainer` / `logging` groups (`dart_train.trainer.settings`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from helpers import compose_train
 from omegaconf import OmegaConf
 
-from dart_infer.dtypes import default_device, native_bf16, resolve_dtype, resolve_dtype_name
-from dart_infer.errors import InputError
-from dart_infer.resolve import TrieChoice, resolve_trie, trie_from_config
+from dart_infer.common.dtypes import default_device, native_bf16, resolve_dtype, resolve_dtype_name
+from dart_infer.common.errors import InputError
+from dart_infer.data.resolve import TrieChoice, resolve_trie, trie_from_config
 from ngram_builder import NgramTrie
 
 NATIVE = native_bf16(default_device())
@@ -34,7 +34,7 @@ def _trie(path: Path, fingerprint: str, vocab_size: int = 200) -> Path:
 
 @pytest.fixture(scope="module")
 def tries(smollm2_tokenizer, tmp_path_factory) -> dict[str, Path]:
-    from dart_infer.assets import tokenizer_fingerprint
+    from dart_infer.data.assets import tokenizer_fingerprint
 
     root = tmp_path_factory.mktemp("tries")
     corrupt = root / "corrupt" / "full.ngt"
@@ -134,7 +134,7 @@ def test_auto_dtype_is_bf16_where_native_for_every_caller() -> None:
 
 @pytest.mark.parametrize("trainer", ["cpu", "gpu", "zero2", "zero3"])
 def test_the_groups_keys_are_their_structured_configs_fields(trainer: str) -> None:
-    from dart_train.settings import LoggingConfig, OptimConfig, TrainerConfig
+    from dart_train.trainer.settings import LoggingConfig, OptimConfig, TrainerConfig
 
     cfg = compose_train(f"trainer={trainer}")
     for group, cls in (("trainer", TrainerConfig), ("optim", OptimConfig), ("logging", LoggingConfig)):
@@ -143,7 +143,7 @@ def test_the_groups_keys_are_their_structured_configs_fields(trainer: str) -> No
 
 def test_settings_take_every_key_by_its_name() -> None:
     from dart_train.builders import settings_from_config
-    from dart_train.settings import CONFIG_KEYS, EngineConfig, OptimConfig, TrainSettings, from_group
+    from dart_train.trainer.settings import CONFIG_KEYS, EngineConfig, OptimConfig, TrainSettings, from_group
 
     cfg = compose_train("trainer=zero3", "optim.lr=3e-4", "optim.betas=[0.8,0.95]", "trainer.max_steps=7",
                         "trainer.save_every=0", "logging.log_every=3", "train_eval.every=5", "seed=4")

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from dart_infer.sampling import Sampler, greedy_tokens, sampling_accept
+from dart_infer.decoding.sampling import Sampler, greedy_tokens, sampling_accept
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Tests of the C++ tree search `dart_infer.search.tree_search` (dart-method.md §4).
+"""Tests of the C++ tree search `dart_infer.tree.search.tree_search` (dart-method.md §4).
 
 - golden: the original implementation's trees on 200 real cases (set of root-to-node paths);
 - an independent, slow-but-obvious Python reference of §4 on random inputs (with and without trie);
@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import EOS, FIXTURES, check_encoding, node_paths
 
-from dart_infer.search import tree_search
+from dart_infer.tree.search import tree_search
 from ngram_builder import NgramTrie
 
 

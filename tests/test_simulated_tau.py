@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 from helpers import tiny_llama
 
-from dart_infer.generate import DartModel, TreeSearchSettings
-from dart_infer.model import DartDraftConfig, DartDraftModel
-from dart_infer.target import TargetModel
-from dart_train.dataset import TokenizedDataset
-from dart_train.evaluate import SimulatedTau
-from dart_train.online_states import OnlineStateSource
+from dart_infer.decoding.dart_model import DartModel, TreeSearchSettings
+from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
+from dart_infer.target.adapter import TargetModel
+from dart_train.data.dataset import TokenizedDataset
+from dart_train.states.online import OnlineStateSource
+from dart_train.trainer.simulated_tau import SimulatedTau
 
 VOCAB = 64
 # The CPU serving tree's extras on the paper's search (tests/test_train_engine.py covers the plain one).

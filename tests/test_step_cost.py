@@ -13,8 +13,8 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-from dart_infer.step_cost import GrowingLayer, use_fast_matmul_layout
-from dart_infer.target import TargetModel
+from dart_infer.target.adapter import TargetModel
+from dart_infer.target.step_cost import GrowingLayer, use_fast_matmul_layout
 
 # tiny_llama fields; initializer_range 0.3: peaked random logits, no near-ties for fp32 rounding to decide.
 CONFIG = dict(vocab_size=97, head_dim=8, max_position_embeddings=1024, initializer_range=0.3,

@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_llama_config
 from transformers import LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dart_infer.target import TargetModel, aux_layer_ids
+from dart_infer.target.adapter import TargetModel, aux_layer_ids
 
 COMMON = dict(
     vocab_size=97,

@@ -13,11 +13,11 @@ from helpers import TRAIN_CONVERSATIONS, compose_train, run_train_cli, train_ove
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dart_infer.cli import configs_dir
+from dart_infer.common.configs import configs_dir
 
 
 def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversations_file, tmp_path) -> None:
-    from dart_infer.generate import DartModel
+    from dart_infer.decoding.dart_model import DartModel
 
     out = tmp_path / "run"
     result = run_train_cli(train_overrides(tiny_checkpoint, conversations_file, out), tmp_path)
@@ -81,7 +81,7 @@ def test_defaults_compose_with_paper_recipe() -> None:
 
 
 def test_resumed_config_keeps_the_saved_run_except_named_keys() -> None:
-    from dart_train.run_dir import resumed_config
+    from dart_train.trainer.run_dir import resumed_config
 
     saved = compose_train("optim.lr=0.01", "trainer.max_steps=3", "trainer=zero2")
     new = compose_train("trainer.max_steps=5", "resume=true")
@@ -107,7 +107,7 @@ def test_unknown_keys_are_errors() -> None:
 
 
 def test_run_dir_checks(tmp_path: Path) -> None:
-    from dart_train.run_dir import RunDirError, prepare_run_dir
+    from dart_train.trainer.run_dir import RunDirError, prepare_run_dir
 
     run = tmp_path / "r"
     assert prepare_run_dir(run, resume=False) is False
@@ -236,7 +236,7 @@ def test_regenerated_data_is_keyed_by_its_settings(tmp_path) -> None:
     changed.add(regenerate_output(compose_train(*base, "model.chat_template=plain")))  # another rendering
     assert len(changed) == 10 and default not in changed
     assert regenerate_output(compose_train(*base, "preprocess.regenerate.output=/x/y.jsonl")) == Path("/x/y.jsonl")
-    # keep_truncated reaches dart_train.regenerate (its effect: tests/test_regenerate.py).
+    # keep_truncated reaches dart_train.data.regenerate (its effect: tests/test_regenerate.py).
     assert _regenerate_options(compose_train("preprocess.regenerate.keep_truncated=false"))["keep_truncated"] is False
     assert _regenerate_options(compose_train())["keep_truncated"] is True
 
@@ -253,7 +253,7 @@ def test_resumed_runs_log_to_a_new_wandb_segment(tmp_path) -> None:
 
 
 def test_hardware_group_sets_trainer_tree_and_dtype_together() -> None:
-    from dart_infer.generate import CPU_TREE
+    from dart_infer.decoding.dart_model import CPU_TREE
 
     cpu, gpu = compose_train(), compose_train("hardware=gpu")
     # The CPU tree of configs/tree/cpu.yaml, the same as DartModel's CPU default.

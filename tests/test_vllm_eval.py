@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from dart_infer.conversations import Conversation
-from dart_infer.evaluate import EvalSettings, Evaluator
-from dart_infer.generate import DartModel
-from dart_infer.results import markdown_table, summarize
-from dart_infer.vllm_runner import VllmRunner
+from dart_infer.data.conversations import Conversation
+from dart_infer.decoding.dart_model import DartModel
+from dart_infer.engines.vllm.runner import VllmRunner
+from dart_infer.evaluation.evaluate import EvalSettings, Evaluator
+from dart_infer.evaluation.results import markdown_table, summarize
 
 pytestmark = pytest.mark.vllm
 
@@ -55,7 +55,7 @@ def test_vllm_prompt_lookup_counts_every_step_like_ours(vllm_target_dir) -> None
 
 
 def test_a_missing_vllm_venv_is_one_line(tmp_path, monkeypatch) -> None:
-    from dart_infer.errors import InputError
+    from dart_infer.common.errors import InputError
 
     monkeypatch.setenv("VLLM_VENV", str(tmp_path / "no-venv"))
     with pytest.raises(InputError, match="make vllm"):

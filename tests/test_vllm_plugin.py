@@ -1,4 +1,4 @@
-"""DART heads in vLLM: `dart-export` writes what the plugin (`dart_infer.vllm_plugin`) loads, and vLLM
+"""DART heads in vLLM: `dart-export` writes what the plugin (`dart_infer.engines.vllm.plugin`) loads, and vLLM
 with the plugin drafts exactly what our `DartDraftModel` drafts, losslessly, offline and behind its
 OpenAI-compatible server (`vllm` marker: runs in .venv-vllm, made by `make vllm`; fails, never
 skips, when it is missing). The target is test_export's tiny random Llama vLLM CPU can load."""
@@ -21,9 +21,9 @@ from helpers import ROOT, VLLM_VENV, load_target, one_thread
 from safetensors.torch import load_file
 
 from dart_infer.cli.export import main as export_main
-from dart_infer.draft_head import DraftKVCache
-from dart_infer.export import SPEC_CONFIG_FILE, export_head
-from dart_infer.model import DartDraftConfig, DartDraftModel
+from dart_infer.engines.export import SPEC_CONFIG_FILE, export_head
+from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
+from dart_infer.methods.draft_head import DraftKVCache
 
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "1, 2, 3, 4, 5,"]
 CHAT = "Write a short poem about the sea."
@@ -201,9 +201,9 @@ def test_the_plugin_reaches_vllm_only_through_its_entry_point() -> None:
 
     main = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
     alone = tomllib.loads((ROOT / "scripts" / "vllm_plugin" / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert main["vllm.general_plugins"] == alone["vllm.general_plugins"] == {"dart": "dart_infer.vllm_plugin:register"}
-    code = ("import sys, dart_infer.export, dart_infer.cli.export; "
-            "print(sorted(m for m in sys.modules if m.startswith(('vllm', 'dart_infer.vllm_plugin'))))")
+    assert main["vllm.general_plugins"] == alone["vllm.general_plugins"] == {"dart": "dart_infer.engines.vllm.plugin:register"}
+    code = ("import sys, dart_infer.engines.export, dart_infer.cli.export; "
+            "print(sorted(m for m in sys.modules if m.startswith(('vllm', 'dart_infer.engines.vllm.plugin'))))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
 
@@ -334,7 +334,7 @@ def test_vllm_drafts_what_the_shipped_head_drafts_on_smollm2(smollm2_dir, smollm
     """The real thing: the shipped head (bf16, served in fp32) on SmolLM2-135M-Instruct."""
     from transformers import AutoModelForCausalLM
 
-    from dart_infer.loading import load_draft_model
+    from dart_infer.methods.loading import load_draft_model
 
     export_main(["dart-smollm2-135m-instruct", "--out", str(tmp_path / "export")])
     prompts = [smollm2_tokenizer("def fibonacci(n):").input_ids, chat_ids(smollm2_tokenizer)]

@@ -1,7 +1,7 @@
 """What `dart-app` runs behind its page, without Gradio: the methods a loaded model offers, one
 streamed answer per call, and the HTML the page shows for it.
 
-Every method streams through the one decoding loop of `dart_infer.decoding` (`dart_generate_stream`
+Every method streams through the one decoding loop of `dart_infer.decoding.loop` (`dart_generate_stream`
 of a `DartModel` with a head of that method, `ar_generate_stream`), one step per iteration; `Engine.stream` checks a stop request before every step, and `throttle` caps how often
 the page is updated without batching the steps themselves.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dart_infer.stats import StepOutput
+from dart_infer.decoding.stats import StepOutput
 
 __all__ = ["AR", "DART", "DART_NO_TRIE", "EAGLE3", "Answer", "Decoding", "Engine", "load_eagle3_stream", "throttle"]
 
@@ -189,7 +189,7 @@ class Engine:
 
     def prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> torch.Tensor:
         """Token ids of a conversation under the model's chat template, ready for the answer."""
-        from dart_infer.conversations import chat_prompt
+        from dart_infer.data.conversations import chat_prompt
 
         ids = chat_prompt(self.tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
         if ids.numel() >= self.max_length:

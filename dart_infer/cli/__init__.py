@@ -3,10 +3,10 @@
 Entry points are thin apps: parse the config, print it, call library components. Apps follow the
 import direction dart_train -> dart_infer -> ngram_builder like everything else (tests/test_layout.py):
 `dart-ngram` and `dart-eval` live here, `dart-train` and `dart-demo` in dart_train. Every console
-script starts under tcmalloc where it is installed (dart_infer.allocator: ~1.2x faster training steps).
+script starts under tcmalloc where it is installed (dart_infer.common.allocator: ~1.2x faster training steps).
 
 Every command checks its composed config first (`checks.check_config`: unknown keys, types, ranges,
-names) and reports any error as one line with a documented exit code (`dart_infer.errors`).
+names) and reports any error as one line with a documented exit code (`dart_infer.common.errors`).
 """
 
 from __future__ import annotations
@@ -16,30 +16,15 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from importlib.util import find_spec
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dart_infer.allocator import describe_allocator, use_fast_allocator
 from dart_infer.cli.checks import check_hydra_job, hydra_error
-from dart_infer.errors import report
+from dart_infer.common.allocator import describe_allocator, use_fast_allocator
+from dart_infer.common.configs import configs_dir
+from dart_infer.common.errors import report
 
 log = logging.getLogger(__name__)
-
-
-def configs_dir() -> Path:
-    """The Hydra config tree: `configs/` of a source checkout, else the copy installed in the wheel."""
-    checkout = Path(__file__).resolve().parents[2] / "configs"
-    if checkout.is_dir():
-        return checkout
-    spec = find_spec("dart_configs")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    raise FileNotFoundError(
-        "Cannot find the Hydra configs: neither configs/ next to the packages nor an installed "
-        "dart_configs/ directory. Reinstall the package (`pip install .`)."
-    )
 
 
 def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], object]], Callable[[], None]]:

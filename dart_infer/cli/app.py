@@ -16,8 +16,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dart_infer.cli import hydra_app
-from dart_infer.dtypes import resolve_dtype_name
-from dart_infer.errors import InputError
+from dart_infer.common.dtypes import resolve_dtype_name
+from dart_infer.common.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,10 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
     cannot be loaded or does not fit the base model) the model has none and decodes plainly."""
     from transformers import AutoModelForCausalLM
 
-    from dart_infer.assets import resolve_model
-    from dart_infer.dtypes import as_dtype, cast_parameters
-    from dart_infer.generate import DartModel
-    from dart_infer.loading import load_tokenizer
+    from dart_infer.common.dtypes import as_dtype, cast_parameters
+    from dart_infer.data.assets import resolve_model
+    from dart_infer.data.loaders import load_tokenizer
+    from dart_infer.decoding.dart_model import DartModel
     from dart_infer.methods import load_head
 
     notices: list[str] = []
@@ -72,10 +72,10 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
 
 
 def load_trie(cfg: DictConfig, model: Any) -> tuple[Any, str | None]:
-    """(trie or None, a notice or None), resolved as `dart-eval` does (`dart_infer.resolve`); a trie that
+    """(trie or None, a notice or None), resolved as `dart-eval` does (`dart_infer.data.resolve`); a trie that
     is missing, corrupt or does not fit is said on the page instead of stopping it (DART then runs
     without one, as the README says for dart-app)."""
-    from dart_infer.resolve import trie_from_config
+    from dart_infer.data.resolve import trie_from_config
 
     try:
         choice = trie_from_config(cfg, (model.tokenizer, model.target.vocab_size))

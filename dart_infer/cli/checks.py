@@ -20,8 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dart_infer.dtypes import DTYPE_NAMES
-from dart_infer.errors import InputError
+from dart_infer.common.dtypes import DTYPE_NAMES
+from dart_infer.common.errors import InputError
 
 # Keys whose default is null (or that also take null), with the type of a non-null value.
 NULLABLE: dict[str, type] = {
@@ -61,7 +61,7 @@ MISSING = "???"
 def _settings_types() -> dict[str, dict[str, Any]]:
     """Field name -> type for the nodes that are settings dataclasses (any field may be set there)."""
     from dart_infer.methods import get_method
-    from dart_infer.tree import TreeSearchSettings
+    from dart_infer.tree.settings import TreeSearchSettings
 
     def types(cls: type) -> dict[str, Any]:
         hints = typing.get_type_hints(cls)
@@ -94,16 +94,6 @@ def _parents(key: str) -> list[str]:
     """`a.b.c` -> [`a`, `a.b`]."""
     parts = key.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-
-def flatten_dotted(value: Any, prefix: str = "") -> dict[str, Any]:
-    """A plain nested mapping (a config as a container, saved settings) as {dotted key: leaf}."""
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(flatten_dotted(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
 
 
 def _kind(expected: Any) -> str:
@@ -224,7 +214,7 @@ def check_config(command: str, cfg: DictConfig, defaults: DictConfig) -> None:
     for key in MODEL_KEYS:
         value = OmegaConf.select(cfg, key, default=None)
         if value:
-            from dart_infer.assets import check_model_reference
+            from dart_infer.data.assets import check_model_reference
 
             check_model_reference(str(value), key, head=key != "model.name_or_path")
 
@@ -262,7 +252,7 @@ def _default_keys(config_name: str) -> list[str]:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from dart_infer.cli import configs_dir
+    from dart_infer.common.configs import configs_dir
 
     if GlobalHydra.instance().is_initialized():  # inside a Hydra job (a dart-demo stage)
         return list(leaves(compose(config_name=config_name)))

@@ -9,8 +9,8 @@
   measured on, every setting's numbers); `tree=<that file>` (or its directory) evaluates with it.
 - Nothing measured is lost: bad input (out_dir, limit, max_new_tokens, benchmark files) is refused
   before the model loads; each prompt's records go to `<out_dir>/records.jsonl` as soon as they are
-  measured, and the same command with the same `out_dir` resumes there (`dart_infer.eval_records`);
-  the table is printed before results.json/.md and the plots are written (`dart_infer.results`).
+  measured, and the same command with the same `out_dir` resumes there (`dart_infer.evaluation.records`);
+  the table is printed before results.json/.md and the plots are written (`dart_infer.evaluation.results`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from dart_infer.assets import resolve_model
 from dart_infer.cli import hydra_app
 from dart_infer.cli.eval_checks import (
     benchmark_names,
@@ -39,10 +38,11 @@ from dart_infer.cli.eval_checks import (
     check_out_dir,
     run_settings,
 )
-from dart_infer.conversations import Conversation, load_conversations, load_prompt_file
-from dart_infer.dtypes import dtype_name
-from dart_infer.errors import InputError
-from dart_infer.files import atomic_write_bytes
+from dart_infer.common.dtypes import dtype_name
+from dart_infer.common.errors import InputError
+from dart_infer.common.files import atomic_write_bytes
+from dart_infer.data.assets import resolve_model
+from dart_infer.data.conversations import Conversation, load_conversations, load_prompt_file
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def tree_file(value: str) -> Path | None:
 
 def read_tree_file(path: str | Path) -> dict[str, Any]:
     """The tree settings in a `fit_tree.yaml` (its `tree:` mapping) or in a plain settings file."""
-    from dart_infer.tree import TreeSearchSettings
+    from dart_infer.tree.settings import TreeSearchSettings
 
     data = yaml.safe_load(Path(path).read_text()) or {}
     settings = data.get("tree", data) if isinstance(data, dict) else None
@@ -134,7 +134,7 @@ def write_fit(out_dir: str | Path, best: dict[str, Any], results: list[dict[str,
 
 def _dtypes(cfg: DictConfig) -> tuple[torch.dtype, list[torch.dtype]]:
     """(serving dtype, the other dtypes the plain methods are timed in)."""
-    from dart_infer.generate import as_dtype
+    from dart_infer.decoding.dart_model import as_dtype
 
     serving = as_dtype(cfg.model.dtype)
     others = [as_dtype(d) for d in cfg.get("baseline_dtypes") or []]
@@ -142,13 +142,13 @@ def _dtypes(cfg: DictConfig) -> tuple[torch.dtype, list[torch.dtype]]:
 
 
 def resolve_trie(cfg: DictConfig) -> str | None:
-    """The trie file to load (None: no trie), decided before any model loads (`dart_infer.resolve`).
+    """The trie file to load (None: no trie), decided before any model loads (`dart_infer.data.resolve`).
 
     `auto`: `default_ngram_model` when it exists and was built with this model's tokenizer, else
     None with one line saying so; null/"none": None; a path: it must exist, load and fit (a corrupt
     file is refused here; `ngram_verify` adds the payload checksum to the load's structural check).
     """
-    from dart_infer.resolve import model_vocabulary, trie_from_config
+    from dart_infer.data.resolve import model_vocabulary, trie_from_config
 
     def vocabulary() -> tuple[Any, int]:
         return model_vocabulary(cfg.model.name_or_path, cfg.model.get("chat_template"))
@@ -171,7 +171,7 @@ def methods_for(methods: Sequence[str], trie: str | None) -> list[str]:
 def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
     """(serving model, plain-method models in the other dtypes). One load: in float32 when several
     dtypes are timed (casting float32 down is what loading in each dtype gives), else in `model.dtype`."""
-    from dart_infer.generate import DartModel
+    from dart_infer.decoding.dart_model import DartModel
 
     serving_dtype, others = _dtypes(cfg)
     load_dtype = torch.float32 if others else serving_dtype
@@ -205,9 +205,9 @@ def load_eagle3(cfg: DictConfig, model: Any) -> Any:
 
 
 def start_vllm(cfg: DictConfig, scratch: Path) -> dict[str, Any]:
-    """The engines of the vLLM methods in `cfg.methods` (`dart_infer.vllm_runner.start_engines`), in
+    """The engines of the vLLM methods in `cfg.methods` (`dart_infer.engines.vllm.runner.start_engines`), in
     `model.dtype`; exported heads go into `scratch`."""
-    from dart_infer.vllm_runner import start_engines
+    from dart_infer.engines.vllm.runner import start_engines
 
     wanted = [str(m) for m in cfg.methods if str(m).startswith("vllm")]
     if not wanted:
@@ -227,7 +227,7 @@ def load_model(cfg: DictConfig, trie: str | None) -> Any:
 
 def samplings_from(cfg: DictConfig) -> list[Any]:
     """`temperature` (one value or a list) x the shared `top_p`/`top_k` → `Sampling` settings."""
-    from dart_infer.evaluate import Sampling
+    from dart_infer.evaluation.evaluate import Sampling
 
     temperatures = cfg.temperature
     if not isinstance(temperatures, (list, tuple, ListConfig)):
@@ -248,9 +248,9 @@ def _check_tree_file(cfg: DictConfig) -> None:
 
 
 def run_eval(cfg: DictConfig) -> dict[str, Path]:
-    from dart_infer.eval_records import RecordStore
-    from dart_infer.evaluate import EvalSettings, Evaluator
-    from dart_infer.results import ResultsNotWritten, markdown_table, save_results, summarize
+    from dart_infer.evaluation.evaluate import EvalSettings, Evaluator
+    from dart_infer.evaluation.records import RecordStore
+    from dart_infer.evaluation.results import ResultsNotWritten, markdown_table, save_results, summarize
 
     # Everything that can be refused is refused here, before the model loads and nothing is measured.
     check_eval_inputs(cfg)
@@ -274,7 +274,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
     model, plain_models = load_models(cfg, trie)
     eagle3 = load_eagle3(cfg, model)
     if cfg.compile:
-        from dart_infer.compiled_target import compile_decoding
+        from dart_infer.decoding.compile import compile_decoding
 
         for decoding in (model, *plain_models, *([eagle3] if eagle3 else [])):
             compile_decoding(decoding)
@@ -326,8 +326,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
 
 
 def run_fit_tree(cfg: DictConfig) -> Path:
-    from dart_infer.conversations import chat_prompt, first_turn
-    from dart_infer.tree_fit import fit_tree, tree_sizes
+    from dart_infer.data.conversations import chat_prompt, first_turn
+    from dart_infer.evaluation.tree_fit import fit_tree, tree_sizes
 
     check_count(cfg, "fit.prompts")
     check_count(cfg, "fit.max_new_tokens")
@@ -343,7 +343,7 @@ def run_fit_tree(cfg: DictConfig) -> Path:
     keys = list(space)
     grid = [dict(zip(keys, values, strict=True)) for values in itertools.product(*(space[k] for k in keys))]
     if cfg.compile:  # fitted on the compiled step it will be served with: each size its own graph
-        from dart_infer.compiled_target import compile_decoding
+        from dart_infer.decoding.compile import compile_decoding
 
         compile_decoding(model, tree_sizes=tree_sizes(model, grid))
     results = fit_tree(model, prompts, grid, cfg.fit.max_new_tokens)

@@ -2,7 +2,7 @@
 
 Bad input is refused (`InputError`, one line naming the key) before the model loads, so a run that
 starts can finish; `run_settings` is what `<out_dir>/records.jsonl` compares to decide whether its
-records can be reused (`dart_infer.eval_records`).
+records can be reused (`dart_infer.evaluation.records`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dart_infer.errors import InputError
+from dart_infer.common.errors import InputError
 
 
 def check_out_dir(value: Any) -> Path:

@@ -1,4 +1,4 @@
-"""`dart-export`: write a trained head for a serving engine (vLLM or SGLang); `dart_infer.export` does the work.
+"""`dart-export`: write a trained head for a serving engine (vLLM or SGLang); `dart_infer.engines.export` does the work.
 
     dart-export runs/my-head/head --out exports/my-head                # DART: vLLM through our plugin
     dart-export runs/my-eagle3/head --out exports/my-eagle3            # EAGLE-3: vLLM (speculators format)
@@ -6,7 +6,7 @@
     vllm serve <target> --speculative-config "$(cat exports/my-head/vllm_speculative_config.json)"
 
 Bad input (unknown head, a DART head for SGLang, an existing non-empty --out, a bad option) is one
-line on stderr and exit code 2, as for every dart-* command (`dart_infer.errors`).
+line on stderr and exit code 2, as for every dart-* command (`dart_infer.common.errors`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from dart_infer.errors import InputError, report
+from dart_infer.common.errors import InputError, report
 
 COMMAND = "dart-export"
 
@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    from dart_infer.export import DEFAULT_SPECULATIVE_TOKENS, FORMATS
+    from dart_infer.engines.export import DEFAULT_SPECULATIVE_TOKENS, FORMATS
 
     p = _Parser(prog=COMMAND, description="Write a trained draft head for a serving engine.")
     p.add_argument("head", help="head directory (<run>/head, <run>/best) or embedded head name")
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser().parse_args(argv)
         from transformers.utils import logging as hf_logging
 
-        from dart_infer.export import SPEC_CONFIG_FILE, export_head
+        from dart_infer.engines.export import SPEC_CONFIG_FILE, export_head
 
         hf_logging.disable_progress_bar()  # stderr carries only what went wrong
 

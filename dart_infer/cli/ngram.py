@@ -1,7 +1,7 @@
 """`dart-ngram`: build n-gram tries from configured corpora, convert formats, inspect tries.
 
 The app around `ngram_builder`: it resolves the model, loads its tokenizer, reads conversations
-(`dart_infer.conversations`) and hands the library text sources, a function from text to token ids,
+(`dart_infer.data.conversations`) and hands the library text sources, a function from text to token ids,
 and the tokenizer's fingerprint string. `ngram_builder` itself knows no model and no conversation
 format.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dart_infer.assets import tokenizer_fingerprint
 from dart_infer.cli import hydra_app
+from dart_infer.data.assets import tokenizer_fingerprint
 from ngram_builder import NgramTrie
 from ngram_builder.build import (
     CorpusSource,
@@ -34,7 +34,7 @@ SOURCE_KINDS = ("conversations", "jsonl", "text", "tree", "hf")
 
 def load_tokenizer(cfg: DictConfig) -> Any:
     """The model's tokenizer with `model.chat_template` (the one training and serving render with)."""
-    from dart_infer.loading import load_tokenizer as load
+    from dart_infer.data.loaders import load_tokenizer as load
 
     tok = load(cfg.model.name_or_path, cfg.model.get("chat_template"))
     if not getattr(tok, "is_fast", False):
@@ -43,7 +43,7 @@ def load_tokenizer(cfg: DictConfig) -> Any:
 
 
 def _conversation_texts(spec: dict[str, Any], mode: str, tokenizer: Any):
-    from dart_infer.conversations import load_conversations
+    from dart_infer.data.conversations import load_conversations
 
     if mode not in ("join", "chat_template"):
         raise ValueError(f"conversation_text must be 'join' or 'chat_template', got {mode!r}")

@@ -7,7 +7,7 @@
 shared loop; a head on disk is mapped to its method by its config.json (`method_for_config`), and a
 loaded head by its class (`method_of`). `load_head` is the one loader of heads by name or path.
 A new method implements `DraftMethod` and calls `register_method` (its training hooks register in
-`dart_train.methods` under the same name).
+`dart_train.objectives.methods` under the same name).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def method_for_config(config: Mapping[str, Any]) -> DraftMethod:
 
 def _head_config(name_or_path: str | Path) -> dict[str, Any] | None:
     """A head's config.json as a dict, or None when it cannot be read (the loader then says why)."""
-    from dart_infer.assets import check_model_reference, resolve_model
+    from dart_infer.data.assets import check_model_reference, resolve_model
 
     try:
         check_model_reference(str(name_or_path), head=True)  # a typo is not looked up on the Hub
@@ -105,7 +105,7 @@ def _head_config(name_or_path: str | Path) -> dict[str, Any] | None:
 
 def load_head(name_or_path: str | Path, *, dtype: torch.dtype | None = None) -> tuple[Any, DraftMethod]:
     """(head, its method) from an embedded head name, a directory or a Hub id (through
-    `dart_infer.assets.resolve_model`). The method comes from the head's config.json; a reference that
+    `dart_infer.data.assets.resolve_model`). The method comes from the head's config.json; a reference that
     cannot load fails with the loader's one-line error."""
     config = _head_config(name_or_path)
     method = method_for_config(config) if config is not None else get_method(DEFAULT_METHOD)

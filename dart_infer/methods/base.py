@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from dart_infer.tree import DraftTree
+    from dart_infer.tree.settings import DraftTree
 
 __all__ = ["DraftMethod", "Drafter"]
 
 
 class Drafter(Protocol):
-    """One request's drafting state for the shared loop (`dart_infer.decoding.decode_steps`)."""
+    """One request's drafting state for the shared loop (`dart_infer.decoding.loop.decode_steps`)."""
 
     propose_phase: str  # the timer phase `propose` is counted in ("search", "draft")
 
@@ -59,7 +59,7 @@ class DraftMethod(ABC):
 
     def max_tree_nodes(self, settings: Any) -> int:
         """The most nodes (root included) one of its trees can have under `settings`: what a
-        fixed-shape verification (`dart_infer.compiled_target`) must make room for."""
+        fixed-shape verification (`dart_infer.target.compiled`) must make room for."""
         return 1 + int(getattr(settings, self.tree_size_field))
 
     def padded_tree_sizes(self, settings: Any) -> set[int]:
@@ -69,7 +69,7 @@ class DraftMethod(ABC):
 
     def load(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Any:
         """A head of this method from a directory, embedded name or Hub id; anything missing fails."""
-        from dart_infer.loading import load_draft_model
+        from dart_infer.methods.loading import load_draft_model
 
         return load_draft_model(path, dtype=dtype, model_class=self.head_class, kind=self.display_name)
 

@@ -12,7 +12,7 @@ ONE decoder layer per draft token, feeding its own output back:
 Split as DART is: `model` (config + head: the layer without `mask_rep` and the sequential step),
 `tree` (EAGLE-2's dynamic tree `expand_tree`, its settings and defaults), `drafter` (`Eagle3Drafter`
 for the shared loop). The method itself (how `DartModel` and dart-train find these pieces) is
-`dart_infer.methods.eagle3`. Embedding sharing and the draft vocabulary (`dart_infer.draft_head`), the
+`dart_infer.methods.eagle3`. Embedding sharing and the draft vocabulary (`dart_infer.methods.draft_head`), the
 target adapter, verification, acceptance and the decoding loop are shared with DART (`.target`,
 `.sampling`, `.decoding`).
 

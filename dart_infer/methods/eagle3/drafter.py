@@ -1,4 +1,4 @@
-"""EAGLE-3's drafter for the shared decoding loop (`dart_infer.decoding`), and the same draft loop
+"""EAGLE-3's drafter for the shared decoding loop (`dart_infer.decoding.loop`), and the same draft loop
 at training-data anchors: the trees simulated τ scores (`anchor_trees`) and the logits along a chain
 (`chain_logits`, the reference the training-time test is checked against)."""
 
@@ -8,16 +8,16 @@ from collections.abc import Sequence
 
 import torch
 
-from dart_infer.draft_head import causal_mask
+from dart_infer.methods.draft_head import causal_mask
 from dart_infer.methods.eagle3.model import Eagle3DraftModel
 from dart_infer.methods.eagle3.tree import Eagle3TreeSettings, TreeDraftCache, expand_tree
-from dart_infer.tree import DraftTree
+from dart_infer.tree.settings import DraftTree
 
 __all__ = ["Eagle3Drafter", "anchor_trees", "chain_logits"]
 
 
 class Eagle3Drafter:
-    """EAGLE-3's side of the shared decoding loop (`dart_infer.decoding.decode_steps`): `update` appends
+    """EAGLE-3's side of the shared decoding loop (`dart_infer.decoding.loop.decode_steps`): `update` appends
     accepted prefix positions to the draft cache, `propose` grows the dynamic tree after them."""
 
     propose_phase = "draft"  # the tree's draft forwards dominate its cost

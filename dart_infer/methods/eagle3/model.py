@@ -2,7 +2,7 @@
 
 ONE decoder layer per draft token, fed its own output (`dart_infer.methods.eagle3` shows a step).
 The parts around the layer (fc, norm, lm_head, rotary, the draft vocabulary and the target's
-embedding) are every head's (`dart_infer.draft_head`); the attention is DART's (`DartAttention`).
+embedding) are every head's (`dart_infer.methods.draft_head`); the attention is DART's (`DartAttention`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb
 
-from dart_infer.draft_head import DraftHeadParts, DraftKVCache
-from dart_infer.model import DartAttention, DartDraftConfig
+from dart_infer.methods.dart.model import DartAttention, DartDraftConfig
+from dart_infer.methods.draft_head import DraftHeadParts, DraftKVCache
 
 __all__ = ["EAGLE3_ARCHITECTURE", "Eagle3DecoderLayer", "Eagle3DraftConfig", "Eagle3DraftModel", "load_eagle3_model"]
 
@@ -103,7 +103,7 @@ class Eagle3DecoderLayer(nn.Module):
 
 class Eagle3DraftModel(DraftHeadParts, PreTrainedModel):
     """The EAGLE-3 head. `step` is one sequential draft step for any batch and attention mask;
-    inference (`expand_tree`, `Eagle3Drafter`) and training (`dart_train.eagle3_objective`) build on it."""
+    inference (`expand_tree`, `Eagle3Drafter`) and training (`dart_train.objectives.eagle3`) build on it."""
 
     config_class = Eagle3DraftConfig
     config: Eagle3DraftConfig
@@ -187,7 +187,7 @@ class Eagle3DraftModel(DraftHeadParts, PreTrainedModel):
 
 def load_eagle3_model(path: str, *, dtype: torch.dtype | None = None) -> Eagle3DraftModel:
     """Load an EAGLE-3 head (ours, or one in the published layout); missing or mis-shaped tensors fail."""
-    from dart_infer.loading import load_draft_model
+    from dart_infer.methods.loading import load_draft_model
 
     return load_draft_model(path, dtype=dtype, model_class=Eagle3DraftModel, kind="EAGLE-3")  # type: ignore[no-any-return]
 

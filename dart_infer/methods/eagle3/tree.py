@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from dart_infer.draft_head import DraftKVCache
+from dart_infer.methods.draft_head import DraftKVCache
 from dart_infer.methods.eagle3.model import Eagle3DraftModel
-from dart_infer.tree import DraftTree, tree_from_parents, with_field_overrides
+from dart_infer.tree.settings import DraftTree, tree_from_parents, with_field_overrides
 
 __all__ = ["CPU_EAGLE3_TREE", "Eagle3TreeSettings", "TreeDraftCache", "default_eagle3_tree", "expand_tree"]
 
@@ -67,7 +67,7 @@ class TreeDraftCache(DraftKVCache):
 def _tree_from_candidates(
     root: int, tokens: list[int], parents: list[int], depths: list[int], chosen: list[int]
 ) -> DraftTree:
-    """A `DraftTree` (the layout `dart_infer.tree` produces) of the root + the chosen candidates."""
+    """A `DraftTree` (the layout `dart_infer.tree.settings` produces) of the root + the chosen candidates."""
     node_of = {c: i + 1 for i, c in enumerate(chosen)}
     return tree_from_parents(
         [root] + [tokens[c] for c in chosen],

@@ -25,7 +25,7 @@ PAPER_SEARCH="tree.context_ngram_weight=0 tree.context_ngram_propose=false tree.
 FIT_PROMPTS=$OUT/fit-prompts.jsonl
 [ -f "$FIT_PROMPTS" ] || .venv/bin/python - "$FIT_PROMPTS" <<'EOF'
 import json, sys
-from dart_infer.conversations import load_conversations, source_conversation
+from dart_infer.data.conversations import load_conversations, source_conversation
 train = load_conversations("sharegpt", split="train")
 trained = {source_conversation(c.id) for c in train[:9000]}
 rows = [c for c in train[9000:] if source_conversation(c.id) not in trained and c.messages[0]["role"] == "user"]

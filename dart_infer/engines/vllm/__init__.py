@@ -1,0 +1,4 @@
+"""vLLM: `plugin` (loaded by vLLM in its own venv through the `vllm.general_plugins` entry point;
+imports nothing of dart_infer), `runner` (vLLM engines as dart-eval methods, in a subprocess of
+vLLM's venv) and `worker` (the script that subprocess runs).
+"""
