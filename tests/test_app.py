@@ -27,6 +27,7 @@ from helpers import tiny_llama
 from dart_infer import DartDraftConfig, DartDraftModel, DartModel
 from dart_infer.data.assets import tokenizer_fingerprint
 from dart_infer.data.conversations import chat_prompt
+from dart_infer.decoding.stats import StepOutput
 from dart_infer.methods.eagle3 import Eagle3DraftConfig, Eagle3DraftModel
 from ngram_builder import NgramTrie
 
@@ -34,7 +35,8 @@ DRAFT_VOCAB = 96
 VOCAB = 49152  # SmolLM2's tokenizer renders the chat template, so the tiny target shares its vocabulary
 PROMPTS = ["Explain speculative decoding in one sentence.", "Write a haiku about trees."]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-READOUT = re.compile(r"([\d.]+) tokens/s · τ ([\d.]+) · accepted/step ([\d.]+) · (\d+) tokens in (\d+) steps")
+READOUT = re.compile(r"([\d.]+) tokens/s · τ ([\d.]+) tokens/step \(([\d.]+) accepted drafts \+ ([\d.]+) from the "
+                     r"target\) · (\d+) tokens = (\d+) from the prompt's forward \+ (\d+) in (\d+) verification steps")
 
 
 def _script(name: str) -> str:
@@ -202,8 +204,21 @@ def _tab(driver, name: str) -> None:
 def _readout(text: str) -> dict[str, float]:
     match = READOUT.search(text)
     assert match, f"no tokens/s · τ readout in {text!r}"
-    tps, tau, accepted, tokens, steps = match.groups()
-    return {"tps": float(tps), "tau": float(tau), "accepted": float(accepted), "tokens": int(tokens), "steps": int(steps)}
+    tps, tau, accepted, target, tokens, prefill, emitted, steps = match.groups()
+    out = {"tps": float(tps), "tau": float(tau), "accepted": float(accepted), "target": float(target),
+           "tokens": int(tokens), "prefill": int(prefill), "emitted": int(emitted), "steps": int(steps)}
+    _check_parts_add_up(out, text)
+    return out
+
+
+def _check_parts_add_up(readout: dict[str, float], text: str) -> None:
+    """The readout's numbers agree on their face: τ = emitted / steps = drafts/step + target/step (as
+    printed, in hundredths) and tokens = the prompt forward's + the steps'."""
+    cents = {k: round(readout[k] * 100) for k in ("tau", "accepted", "target")}
+    assert cents["tau"] == cents["accepted"] + cents["target"], text
+    assert readout["tokens"] == readout["prefill"] + readout["emitted"], text
+    if readout["steps"]:
+        assert cents["tau"] == round(readout["emitted"] / readout["steps"] * 100), text
 
 
 def _expected_answer(tiny_files, prompt: str, max_new: int) -> str:
@@ -365,10 +380,84 @@ def test_what_cannot_be_loaded_is_said_on_the_page_and_the_rest_serves(tiny_file
 
     # Bad settings name the control; the engine refuses them before decoding.
     for controls, message in [((0, 1.5, 0, 8, 16), "top-p must be in [0, 1]"), ((-1, 0, 0, 8, 16), "temperature"),
+                              (("inf", 0, 0, 8, 16), "temperature must be a finite number >= 0 (0 = greedy), got inf"),
                               ((0, 0, 2.5, 8, 16), "top-k must be a whole number"), ((0, 0, 0, 0, 16), "tree size"),
                               ((0, 0, 0, 8, None), "max new tokens is empty")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             Decoding.from_controls(*controls)
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_the_models_load(tmp_path) -> None:
+    from dart_infer.cli.app import check_port_free
+    from dart_infer.common.errors import EXIT_BAD_INPUT, InputError, report
+
+    with socket.socket() as taken:  # another server on a free port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        expected = f"port={port}: 127.0.0.1:{port} is already in use; pass port=<a free port>"
+        for host in ("127.0.0.1", "0.0.0.0"):  # Gradio checks 127.0.0.1 whatever the host
+            with pytest.raises(InputError) as raised:
+                check_port_free(host, port)
+            assert str(raised.value) == expected.replace("127.0.0.1:", f"{host}:")
+        assert report(raised.value, "dart-app") == EXIT_BAD_INPUT
+        # The command: one line, exit 2, before the models load (it never gets to serve).
+        result = subprocess.run([_script("dart-app"), f"port={port}", "draft_model=null", "serve_dtype=float32",
+                                 f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert result.stderr.splitlines() == [f"dart-app: error: {expected}"]
+    assert "serving on" not in result.stdout and "Traceback" not in result.stdout + result.stderr
+    check_port_free("127.0.0.1", port)  # closed: free again
+    with pytest.raises(InputError, match=r"port=70000: must be in \[1, 65535\]"):
+        check_port_free("127.0.0.1", 70000)
+    with pytest.raises(InputError, match="host=203.0.113.7: 203.0.113.7 is not an address of this machine"):
+        check_port_free("203.0.113.7", port)
+
+
+def _fake_engine(steps: list[StepOutput]):
+    """An Engine whose one method yields `steps` (the first is the prompt forward's token): the stream
+    loop and the readout without a model."""
+    from types import SimpleNamespace
+
+    from dart_infer.app import Engine
+
+    engine = Engine(SimpleNamespace(tokenizer=None, draft_depth=4, method=None))
+    engine.prompt_ids = lambda messages: torch.tensor([1, 2, 3])
+    engine.methods["fake"] = lambda ids, d, generator: iter(steps)
+    return engine
+
+
+def test_the_readout_and_bars_count_what_was_kept_and_add_up() -> None:
+    from dart_infer.app import Decoding
+    from dart_infer.app.engine import stats_line, steps_html
+
+    # The probe's answer: 6 steps of 1 accepted draft + the target's token, then a last step whose
+    # accepted draft the 14-token budget keeps without the target's token. It read "τ 1.86 ·
+    # accepted/step 1.00 · 14 tokens in 7 steps".
+    steps = [StepOutput([10], 0, 0, False)]
+    steps += [StepOutput([11 + 2 * i, 12 + 2 * i], 1, 4, False) for i in range(6)]
+    steps.append(StepOutput([30], 1, 4, True))
+    *_, answer = _fake_engine(steps).stream("fake", [], Decoding(max_new_tokens=14))
+    assert answer.finished and len(answer.tokens) == 14
+    assert (answer.accept_lengths, answer.emitted) == ([1] * 7, [2] * 6 + [1])
+    line = stats_line(answer)
+    assert ("τ 1.86 tokens/step (1.00 accepted drafts + 0.86 from the target) · 14 tokens = "
+            "1 from the prompt's forward + 13 in 7 verification steps") in line
+    _readout(line)  # the parts add up
+    # A budget cut inside the accepted drafts: 3 accepted, only 2 emitted, so 2 are counted.
+    steps = [StepOutput([10], 0, 0, False), StepOutput([11, 12, 13, 14], 3, 6, False),
+             StepOutput([15], 0, 6, False), StepOutput([16, 17], 3, 6, True)]
+    *_, answer = _fake_engine(steps).stream("fake", [], Decoding(max_new_tokens=8))
+    assert (answer.accept_lengths, answer.emitted) == ([3, 0, 2], [4, 1, 2])
+    assert (answer.prefill_tokens, answer.drafted_tokens, answer.target_tokens) == (1, 5, 2)
+    readout = _readout(stats_line(answer))
+    assert (readout["tau"], readout["accepted"], readout["target"]) == (2.33, 1.67, 0.66)  # 7/3 = 5/3 + 2/3
+    assert (readout["tokens"], readout["prefill"], readout["emitted"], readout["steps"]) == (8, 1, 7, 3)
+    bars = steps_html(answer, 4)
+    assert re.findall(r'data-accepted="(\d+)" data-emitted="(\d+)"', bars) == [("3", "4"), ("0", "1"), ("2", "2")]
+    assert "3 verification steps, 5 drafts in all" in bars
+    # The drafted tokens are highlighted: exactly the kept drafts.
+    assert [text for text, drafted in answer.segments if drafted] == ["[11][12][13]", "[16][17]"]
 
 
 @pytest.mark.smollm2

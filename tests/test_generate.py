@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import COMMON, reference, tiny_llama_config, tiny_pair
@@ -150,6 +152,35 @@ def test_bad_requests_fail_before_generation() -> None:
         model.dart_generate(prompt, tree={"beam": 3})
     with pytest.raises(ValueError, match="remain_total"):
         model.dart_generate(prompt, tree={"remain_total": 0})
+
+
+@pytest.mark.parametrize("entry", ["dart_generate", "dart_generate_stream", "ar_generate", "ar_generate_stream"])
+def test_every_entry_point_rejects_non_finite_sampling_and_non_integer_lengths(entry: str) -> None:
+    """NaN / inf temperatures used to decode silently and max_new_token_num=2.5 failed inside torch:
+    each is now one line naming the argument, before the first token (streams included)."""
+    base, head = tiny_pair()
+    model = DartModel(base, head)
+    generate = getattr(model, entry)
+    prompt = torch.randint(3, 48, (1, 10), generator=torch.Generator().manual_seed(0))
+    bad = [
+        ({"temperature": float("nan")}, ValueError, "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+        ({"temperature": float("inf")}, ValueError, "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+        ({"temperature": 1.0, "top_p": float("nan")}, ValueError, "top_p must be in [0, 1]"),
+        ({"temperature": 1.0, "top_k": 2.5}, TypeError, "top_k must be an int >= 0 (0 = off), got 2.5 (float)"),
+        ({"temperature": 1.0, "top_k": True}, TypeError, "top_k must be an int >= 0 (0 = off), got True (bool)"),
+        ({"max_new_token_num": 2.5}, TypeError, "max_new_token_num must be an int (a number of tokens), got 2.5"),
+        ({"max_new_token_num": 8.0}, TypeError, "max_new_token_num must be an int (a number of tokens), got 8.0"),
+        ({"max_new_token_num": True}, TypeError, "max_new_token_num must be an int (a number of tokens), got True"),
+        ({"max_length": 30.5}, TypeError, "max_length must be an int (a number of tokens), got 30.5 (float)"),
+        ({"max_length": False}, TypeError, "max_length must be an int (a number of tokens), got False (bool)"),
+    ]
+    for kwargs, error, message in bad:
+        with pytest.raises(error, match=re.escape(message)) as raised:
+            generate(prompt, **{"max_new_token_num": 4, **kwargs})  # a stream raises here, not at next()
+        assert "\n" not in str(raised.value), kwargs
+    out = generate(prompt, max_new_token_num=np.int64(3), max_length=np.int64(40))  # numpy ints are ints
+    tokens = out.shape[1] - 10 if isinstance(out, torch.Tensor) else sum(len(s.tokens) for s in out)
+    assert tokens == 3
 
 
 def test_head_that_does_not_fit_the_base_is_rejected() -> None:

@@ -6,6 +6,8 @@ power to reject a distribution that is only slightly different.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import check_first_step_follows_the_target, chi_square_p_value, small_vocab_dart
@@ -99,3 +101,31 @@ def test_greedy_tokens_take_the_lowest_index_among_ties_like_argmax(dtype: torch
         logits[:, :100] = -1  # the first maximum never sits at index 0
         assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1))
         assert int(greedy_tokens(logits[0])) == int(torch.argmax(logits[0]))
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"temperature": float("nan")}, ValueError, "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    ({"temperature": float("inf")}, ValueError, "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+    ({"temperature": -0.5}, ValueError, "temperature must be a finite number >= 0"),
+    ({"temperature": True}, TypeError, "temperature must be a number, got True (bool)"),
+    ({"temperature": "0.7"}, TypeError, "temperature must be a number, got '0.7' (str)"),
+    ({"top_p": float("nan")}, ValueError, "top_p must be in [0, 1] (0 = off), got nan"),
+    ({"top_p": None}, TypeError, "top_p must be a number, got None"),
+    ({"top_k": 2.5}, TypeError, "top_k must be an int >= 0 (0 = off), got 2.5 (float)"),
+    ({"top_k": 3.0}, TypeError, "top_k must be an int >= 0 (0 = off), got 3.0 (float)"),
+    ({"top_k": True}, TypeError, "top_k must be an int >= 0 (0 = off), got True (bool)"),
+    ({"top_k": -1}, ValueError, "top_k must be >= 0"),
+])
+def test_sampler_rejects_non_finite_and_mistyped_settings(kwargs: dict, error: type, message: str) -> None:
+    # NaN used to pass `temperature < 0` and sample as if at temperature 1; inf sampled uniformly.
+    with pytest.raises(error, match=re.escape(message)) as raised:
+        Sampler(**kwargs)
+    assert "\n" not in str(raised.value)
+
+
+def test_sampler_accepts_ints_for_floats_and_numpy_numbers() -> None:
+    import numpy as np
+
+    sampler = Sampler(temperature=1, top_p=np.float64(0.9), top_k=np.int64(5))
+    assert (sampler.temperature, sampler.top_p, sampler.top_k) == (1.0, 0.9, 5) and not sampler.greedy
+    assert Sampler(0, 1, 0).greedy

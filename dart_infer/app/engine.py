@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,8 +70,8 @@ class Decoding:
         return settings
 
     def check(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN and inf too
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 <= self.top_p <= 1.0:
             raise ValueError(f"top-p must be in [0, 1] (0 = off), got {self.top_p}")
         if self.top_k < 0:
@@ -83,13 +84,19 @@ class Decoding:
 
 @dataclass
 class Answer:
-    """One streamed answer so far: its tokens (which came from accepted drafts), steps and time."""
+    """One streamed answer so far: its tokens (which came from accepted drafts), steps and time.
+
+    Its tokens are the prompt forward's first token, then per verification step the accepted draft
+    tokens that were kept and the target's own token: `len(tokens) == prefill_tokens + sum(emitted)` and
+    `sum(emitted) == drafted_tokens + target_tokens`. A step cut at EOS or at the token budget keeps
+    only what it emitted (its target token, and maybe some of its accepted drafts, are dropped).
+    """
 
     method: str
     tokens: list[int] = field(default_factory=list)
     segments: list[tuple[str, bool]] = field(default_factory=list)  # (text, from an accepted draft)
-    accept_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per verification
-    emitted: list[int] = field(default_factory=list)  # tokens emitted per verification (bonus included)
+    accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens kept per verification step
+    emitted: list[int] = field(default_factory=list)  # tokens kept per verification step (drafts + target's)
     seconds: float = 0.0  # decoding time only (not the page's)
     finished: bool = False
     stopped: bool = False  # stopped on request before the end
@@ -110,7 +117,18 @@ class Answer:
 
     @property
     def drafted_tokens(self) -> int:
+        """Tokens that came from accepted drafts (all of them emitted)."""
         return sum(self.accept_lengths)
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens of the verification steps that the target chose itself (the bonus / correction token)."""
+        return sum(self.emitted) - self.drafted_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The token of the prompt's forward (1 once the answer has begun; it is no verification step)."""
+        return len(self.tokens) - sum(self.emitted)
 
 
 def _decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
@@ -236,10 +254,11 @@ class Engine:
                 yield answer
                 return
             first = not answer.tokens and not answer.emitted
-            if not first:  # the prefill's token is not a verification step
-                answer.accept_lengths.append(step.accept_length)
-                answer.emitted.append(len(step.tokens))
+            # The accepted drafts this step kept: an EOS or budget cut keeps fewer than it accepted.
             drafted = 0 if first else min(step.accept_length, len(step.tokens))
+            if not first:  # the prefill's token is not a verification step
+                answer.accept_lengths.append(drafted)
+                answer.emitted.append(len(step.tokens))
             for run, is_draft in ((step.tokens[:drafted], True), (step.tokens[drafted:], False)):
                 if run:
                     self._append(answer, run, is_draft, text_at)
@@ -306,12 +325,22 @@ def tokens_html(answer: Answer) -> str:
 
 
 def stats_line(answer: Answer) -> str:
-    """tokens/s, τ and acceptance of an answer, as the page's readout (plain text)."""
-    mean_accept = answer.drafted_tokens / answer.steps if answer.steps else 0.0
+    """tokens/s, τ and where the tokens came from, as the page's readout (plain text), in parts that add up:
+
+    `τ 1.86 tokens/step (1.00 accepted drafts + 0.86 from the target) · 14 tokens = 1 from the prompt's
+    forward + 13 in 7 verification steps`: τ = 13 / 7, the drafts kept per step plus the target's own
+    tokens per step make τ (the target's share is printed as τ minus the drafts' share, both rounded,
+    so the printed numbers add up too), and the prompt forward's token plus the steps' make the total.
+    """
+    steps = answer.steps
+    tau = round(answer.tau * 100)  # in hundredths, as printed
+    drafts = round(answer.drafted_tokens / steps * 100) if steps else 0
     state = "stopped" if answer.stopped else "done" if answer.finished else "generating…"
     return (
-        f"{answer.tokens_per_second:.1f} tokens/s · τ {answer.tau:.2f} · accepted/step {mean_accept:.2f} · "
-        f"{len(answer.tokens)} tokens in {answer.steps} steps · {answer.seconds:.2f} s · {state}"
+        f"{answer.tokens_per_second:.1f} tokens/s · τ {tau / 100:.2f} tokens/step ({drafts / 100:.2f} accepted "
+        f"drafts + {(tau - drafts) / 100:.2f} from the target) · {len(answer.tokens)} tokens = "
+        f"{answer.prefill_tokens} from the prompt's forward + {sum(answer.emitted)} in {steps} verification "
+        f"steps · {answer.seconds:.2f} s · {state}"
     )
 
 
@@ -322,23 +351,26 @@ def stats_html(answer: Answer | None, elem_class: str = "stats") -> str:
 
 
 def steps_html(answer: Answer | None, draft_length: int) -> str:
-    """One bar per verification step, as tall as the draft tokens it accepted (of `draft_length`)."""
+    """One bar per verification step, as tall as the accepted draft tokens it kept (of `draft_length`):
+    the same counts as the readout's accepted drafts (`stats_line`), so the bars sum to its drafts."""
     if answer is None or not answer.steps:
         return '<div class="steps"><div class="steps-caption">accepted draft tokens per step: –</div></div>'
     top = max(draft_length, max(answer.accept_lengths), 1)
     # The newest MAX_BARS steps: a long answer's bars would outgrow the row (the histogram counts all).
     first = max(0, answer.steps - MAX_BARS)
+    kept = zip(answer.accept_lengths[first:], answer.emitted[first:], strict=True)
     bars = "".join(
-        f'<div class="step-bar" title="step {i + 1}: {n} accepted" data-accepted="{n}" '
-        f'style="height:{4 + 56 * n / top:.0f}px"></div>'
-        for i, n in enumerate(answer.accept_lengths[first:], start=first)
+        f'<div class="step-bar" title="step {i + 1}: {n} accepted drafts, {e - n} from the target" '
+        f'data-accepted="{n}" data-emitted="{e}" style="height:{4 + 56 * n / top:.0f}px"></div>'
+        for i, (n, e) in enumerate(kept, start=first)
     )
     shown = f"; the last {MAX_BARS} shown" if first else ""
     counts = [answer.accept_lengths.count(k) for k in range(top + 1)]
     histogram = " · ".join(f"{k}: {c}" for k, c in enumerate(counts) if c)
     return (
-        f'<div class="steps"><div class="steps-caption">accepted draft tokens per step '
-        f"({answer.steps} steps{shown}; how many steps accepted k: {histogram})</div>"
+        f'<div class="steps"><div class="steps-caption">accepted draft tokens kept per step '
+        f"({answer.steps} verification steps{shown}, {answer.drafted_tokens} drafts in all; "
+        f"how many steps kept k: {histogram})</div>"
         f'<div class="step-bars">{bars}</div></div>'
     )
 

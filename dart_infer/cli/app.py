@@ -4,11 +4,14 @@ model, and one prompt through two methods side by side.
 What cannot be loaded does not stop the page: it says so at the top and offers what is left. No head
 (or a head that fails to load) leaves plain decoding only; no trie (or one that does not fit the
 tokenizer) runs DART without one; an EAGLE-3 head that cannot be served is named with the reason.
+A `host:port` the page cannot be served on (a port in use, ...) is refused before the models load.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
 from typing import Any
 
@@ -123,8 +126,42 @@ def launch(engine: Any, cfg: DictConfig) -> None:
                 show_error=True, inbrowser=False)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse, before the models load, a `host:port` the page could not be served on: a port in use
+    (another dart-app, say), an address not of this machine, a port this user may not listen on.
+
+    It binds as the server will (uvicorn: SO_REUSEADDR, so a port a previous run left in TIME_WAIT
+    passes) and, like Gradio's own check before it, on 127.0.0.1 as well; the socket is closed at once.
+    """
+    if not 1 <= port <= 65535:
+        raise InputError(f"port={port}: must be in [1, 65535]; pass port=<a free port>, e.g. port=7860")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1] as in a URL
+    for address in dict.fromkeys([bare, "127.0.0.1"]):
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        shown = f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((address, port))
+        except socket.gaierror as err:
+            raise InputError(f"host={host}: not an address or a name of this machine ({err.strerror}); pass "
+                             "host=127.0.0.1 (this machine only) or host=0.0.0.0 (every interface)") from None
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise InputError(f"port={port}: {shown} is already in use; pass port=<a free port>") from None
+            if err.errno == errno.EACCES:
+                raise InputError(f"port={port}: this user may not listen on {shown} (ports below 1024 "
+                                 "need privileges); pass port=<a free port of 1024 or more>") from None
+            if err.errno == errno.EADDRNOTAVAIL:
+                raise InputError(f"host={host}: {address} is not an address of this machine; pass "
+                                 "host=127.0.0.1 (this machine only) or host=0.0.0.0 (every interface)") from None
+            raise InputError(f"port={port}: cannot listen on {shown} ({err.strerror or err}); "
+                             "pass another port= or host=") from None
+
+
 @hydra_app("app")
 def _app(cfg: DictConfig) -> None:
+    check_port_free(str(cfg.host), int(cfg.port))  # before anything slow: the models load next
     launch(build_engine(cfg), cfg)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import numbers
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +58,12 @@ __all__ = [
     "check_trie_matches_tokenizer", "default_tree", "greedy_accept", "load_draft_model", "load_trie",
     "native_bf16", "sampling_accept", "tree_children",
 ]
+
+
+def _check_count(name: str, value: object) -> None:
+    """A token count is an int (not a bool, not a float such as 2.5 or 8.0), or a TypeError naming it."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int (a number of tokens), got {value!r} ({type(value).__name__})")
 
 
 def _as_prompt(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -250,6 +257,8 @@ class DartModel(nn.Module):
     ) -> tuple[torch.Tensor, int, Sampler]:
         """Checked prompt, new-token budget and sampler of one generation (either method)."""
         prompt = _as_prompt(input_ids)
+        _check_count("max_new_token_num", max_new_token_num)
+        _check_count("max_length", max_length)
         if max_new_token_num < 1:
             raise ValueError(f"max_new_token_num must be >= 1, got {max_new_token_num}")
         if max_length <= prompt.numel():
@@ -258,7 +267,7 @@ class DartModel(nn.Module):
             )
         if int(prompt.min()) < 0 or int(prompt.max()) >= self.target.vocab_size:
             raise ValueError(f"input_ids hold ids outside the vocabulary [0, {self.target.vocab_size})")
-        budget = min(max_new_token_num, max_length - prompt.numel())
+        budget = int(min(max_new_token_num, max_length - prompt.numel()))
         return prompt, budget, Sampler(temperature, top_p, top_k, generator)
 
     def _stream(

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
@@ -33,12 +36,16 @@ class Sampler:
         top_k: int = 0,
         generator: torch.Generator | None = None,
     ) -> None:
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0.0 <= top_p <= 1.0:
-            raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+        _check_number("temperature", temperature)
+        if not (math.isfinite(temperature) and temperature >= 0):  # NaN and inf fail here too
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        _check_number("top_p", top_p)
+        if not 0.0 <= top_p <= 1.0:  # NaN fails here too
+            raise ValueError(f"top_p must be in [0, 1] (0 = off), got {top_p}")
+        if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool):
+            raise TypeError(f"top_k must be an int >= 0 (0 = off), got {top_k!r} ({type(top_k).__name__})")
         if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.top_k = int(top_k)
@@ -77,6 +84,12 @@ class Sampler:
         if self.greedy:
             return int(greedy_tokens(logits.reshape(-1)).item())
         return self.draw(self.probs(logits))
+
+
+def _check_number(name: str, value: object) -> None:
+    """A real number (an int or a float, not a bool or a string), or a TypeError naming `name`."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
