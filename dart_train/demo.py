@@ -47,7 +47,7 @@ def hardware_choice() -> str | None:
 
 
 def serve_dtype(cfg: DictConfig) -> str:
-    """`serve_dtype` resolved (`dart_infer.common.dtypes.resolve_dtype_name`: auto = bf16 where native)."""
+    """`serve_dtype` resolved (`dart_infer.common.dtypes.resolve_dtype_name`: auto = bf16 where it measures faster)."""
     from dart_infer.common.dtypes import resolve_dtype_name
 
     return resolve_dtype_name(str(cfg.serve_dtype))

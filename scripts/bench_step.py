@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--tree", default="default", help="default: the device's serving tree for the dtype; "
                         "nodes: the micro-benchmark's --nodes tree (top-8, beam 6)")
     parser.add_argument("--floor-gib", type=float, default=1.0, help="GiB read to measure the memory bandwidth")
-    parser.add_argument("--dtype", default="bfloat16", help="a dtype name, or auto: bfloat16 where native, else float32")
+    parser.add_argument("--dtype", default="bfloat16", help="a dtype name, or auto: bfloat16 where it measures faster, else float32")
     parser.add_argument("--context", type=int, default=300, help="cached tokens for the micro-benchmarks")
     parser.add_argument("--nodes", type=int, default=13, help="tree nodes (root included) to verify")
     parser.add_argument("--repeats", type=int, default=200, help="micro-benchmark calls (0: skip them)")

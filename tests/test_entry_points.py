@@ -44,7 +44,7 @@ def test_demo_evaluates_dart_in_its_serving_dtype_against_baselines_in_every_dty
     from omegaconf import open_dict
 
     from dart_infer.common.configs import configs_dir
-    from dart_infer.decoding.dart_model import native_bf16
+    from dart_infer.decoding.dart_model import bf16_is_faster
     from dart_train.demo import eval_config, serve_dtype
 
     fit = tmp_path / "fit_tree.yaml"
@@ -52,7 +52,7 @@ def test_demo_evaluates_dart_in_its_serving_dtype_against_baselines_in_every_dty
     with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
         cfg = compose(config_name="demo", overrides=[f"out_dir={tmp_path}"])
         assert cfg.model.dtype == "float32"  # training's dtype is untouched by serve_dtype
-        assert serve_dtype(cfg) == ("bfloat16" if native_bf16("cpu") else "float32")
+        assert serve_dtype(cfg) == ("bfloat16" if bf16_is_faster("cpu") else "float32")
         with open_dict(cfg):
             cfg.serve_dtype = "bf16"
             cfg.eval_overrides = [*cfg.eval_overrides, f"tree={fit}"]

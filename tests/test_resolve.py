@@ -1,6 +1,6 @@
 """The one resolver of each setting every entry point shares: a trie setting (`dart_infer.data.resolve`:
 auto / null / a path, with real tiny tries and SmolLM2's tokenizer), dtype settings
-(`dart_infer.common.dtypes.resolve_dtype`: auto = bf16 where native, whoever asks), and the trainer settings
+(`dart_infer.common.dtypes.resolve_dtype`: auto = bf16 where it measures faster, whoever asks), and the trainer settings
 read from the structured `optim` / `trainer` / `logging` groups (`dart_train.trainer.settings`)."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 from helpers import compose_train
 from omegaconf import OmegaConf
 
-from dart_infer.common.dtypes import default_device, native_bf16, resolve_dtype, resolve_dtype_name
+from dart_infer.common.dtypes import bf16_is_faster, default_device, resolve_dtype, resolve_dtype_name
 from dart_infer.common.errors import InputError
 from dart_infer.data.resolve import TrieChoice, resolve_trie, trie_from_config
 from ngram_builder import NgramTrie
 
-NATIVE = native_bf16(default_device())
+NATIVE = bf16_is_faster(default_device())
 VOCAB = 49152  # SmolLM2's
 
 

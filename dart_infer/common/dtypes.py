@@ -1,4 +1,4 @@
-"""Model dtypes: names, whether the hardware computes bfloat16 natively, and casting a model the way
+"""Model dtypes: names, whether bfloat16 is faster here (measured), and casting a model the way
 transformers' loaders do. Used by serving (`DartModel`, `dart-eval`) and by training (`dart-train`'s
 bf16 copy of the target), so both cast the same way."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["as_dtype", "cast_parameters", "dtype_name", "native_bf16", "resolve_dtype", "resolve_dtype_name"]
+__all__ = ["as_dtype", "cast_parameters", "dtype_name", "bf16_is_faster", "resolve_dtype", "resolve_dtype_name"]
 
 DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -30,14 +30,17 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
-def native_bf16(device: torch.device | str = "cpu") -> bool:
-    """Whether `device` computes bfloat16 matmuls natively: a CUDA GPU with bf16, or a CPU with
-    AVX512-BF16/AMX (oneDNN's bf16 kernels); elsewhere bf16 is emulated and slower than float32."""
+def bf16_is_faster(device: torch.device | str = "cpu") -> bool:
+    """Whether `device` decodes faster in bfloat16 than in float32: a CUDA GPU with bf16; a CPU where
+    bf16 matmuls measured clearly faster (`dart_infer.common.machine`: once per CPU, then cached;
+    AVX-512 CPUs without AVX512-BF16/AMX convert in software and are often slower in bf16)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        from dart_infer.common.machine import cpu_bf16_pays
+
+        return cpu_bf16_pays()
     return False
 
 
@@ -53,19 +56,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def resolve_dtype(value: str | torch.dtype | None, otherwise: torch.dtype | None = torch.float32) -> torch.dtype | None:
     """The one resolver of a dtype setting, for serving and training alike: null/none gives None, a
-    name (float32, bf16, ...) its dtype, and `auto` bfloat16 where this machine computes it natively
-    (CUDA, CPUs with AVX512-BF16/AMX), else `otherwise` (float32, the exactness mode, for a serving
+    name (float32, bf16, ...) its dtype, and `auto` bfloat16 where it measures faster on this machine
+    (CUDA; a CPU measured once, `bf16_is_faster`), else `otherwise` (float32, the exactness mode, for a serving
     dtype; None = no autocast; the model's own dtype for training's bf16 target copy)."""
     if value is None or str(value).lower() in ("null", "none", ""):
         return None
     if str(value) != "auto":
         return as_dtype(value)
-    return torch.bfloat16 if native_bf16(default_device()) else otherwise
+    return torch.bfloat16 if bf16_is_faster(default_device()) else otherwise
 
 
 def resolve_dtype_name(value: str) -> str:
     """A serving dtype setting (`serve_dtype`, `model.dtype`) resolved (`resolve_dtype`: auto = bf16
-    where native, else float32) to its canonical name."""
+    where it measures faster, else float32) to its canonical name."""
     dtype = resolve_dtype(value)
     if dtype is None:
         raise ValueError(f"unknown dtype {value!r}; use auto or one of {sorted(DTYPE_NAMES)}")

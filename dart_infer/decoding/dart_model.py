@@ -14,7 +14,7 @@ This module is the public API (`DartModel.from_pretrained`, `dart_generate`, `da
 Everything here handles batch size 1.
 
 Serving dtypes: float32 is the exactness mode (greedy output identical to the base model's
-`generate`); bfloat16 is the fast mode where the hardware computes it natively (CUDA, CPUs with
+`generate`); bfloat16 is the fast mode where it measures faster (`bf16_is_faster`: CUDA, CPUs with
 AVX512-BF16/AMX), and like every bf16 decoder its outputs depend on how many tokens a forward
 processes. `DartModel.from_pretrained(..., dtype="bfloat16")` loads either; `with_dtype` copies a
 loaded model into another dtype (the baselines of `dart-eval` in every dtype).
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dart_infer.common.dtypes import as_dtype, cast_parameters, native_bf16
+from dart_infer.common.dtypes import as_dtype, bf16_is_faster, cast_parameters
 from dart_infer.data.loaders import check_trie_matches_tokenizer, eos_token_ids, load_tokenizer, load_trie
 from dart_infer.decoding.loop import decode_steps
 from dart_infer.decoding.sampling import (
@@ -56,7 +56,7 @@ __all__ = [
     "CPU_FP32_TREE", "CPU_TREE", "GREEDY_TEMPERATURE", "GenerationStats", "Sampler", "StepOutput",
     "TreeSearchSettings", "as_dtype", "cast_parameters", "check_head_matches_target",
     "check_trie_matches_tokenizer", "default_tree", "greedy_accept", "load_draft_model", "load_trie",
-    "native_bf16", "sampling_accept", "tree_children",
+    "bf16_is_faster", "sampling_accept", "tree_children",
 ]
 
 
