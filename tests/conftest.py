@@ -33,10 +33,16 @@ from helpers import (  # noqa: E402, F401 (tiny_llama_config, tiny_llama: also i
 REAL_MODEL_FIXTURES = {"smollm2_dir": "smollm2", "smollm2_tokenizer": "smollm2", "gemma3_dir": "gemma3"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, and before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark every test that uses a real model's fixture (its closure includes indirect uses)."""
+    """Mark every test that uses a real model's fixture (its closure includes indirect uses).
+
+    Under `make test` (pytest-xdist, `--dist loadgroup`) a worker takes a whole group at a time: each
+    test's group is its module, so module fixtures are built once, unless the test names a group of
+    its own (`xdist_group`), as the halves of a long test do so that both workers can share it."""
     for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         used = set(getattr(item, "fixturenames", ()))
         for marker in sorted({m for fixture, m in REAL_MODEL_FIXTURES.items() if fixture in used}):
             if item.get_closest_marker(marker) is None:

@@ -244,9 +244,11 @@ def sharegpt_trie(tokenizer, conversations: int):
 
 @pytest.mark.smollm2
 @pytest.mark.slow
-def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokenizer) -> None:
+@pytest.mark.parametrize("half", [pytest.param(h, marks=pytest.mark.xdist_group(f"mtbench-lossless-{h}")) for h in (0, 1)])
+def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokenizer, half: int) -> None:
     """10 MT-Bench prompts x 200 new tokens, random (untrained) head, trie from ShareGPT, fp32:
-    token for token what `generate(do_sample=False)` produces."""
+    token for token what `generate(do_sample=False)` produces. In two halves of 5 prompts (~3 min
+    each on 2 cores), each its own xdist group, so the two test workers can share them."""
     from transformers import AutoModelForCausalLM
 
     from dart_infer.data.conversations import load_conversations
@@ -268,7 +270,7 @@ def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokeniz
     )
     model = DartModel(base, head.eval(), smollm2_tokenizer, trie, tree=tree)
     steps = tokens = accepted = 0
-    for conversation in load_conversations("mtbench", limit=10):
+    for conversation in load_conversations("mtbench", limit=10)[5 * half: 5 * half + 5]:
         prompt = smollm2_tokenizer.apply_chat_template(
             conversation.messages[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
@@ -278,7 +280,7 @@ def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokeniz
         steps += stats.steps
         tokens += stats.new_tokens - 1
         accepted += sum(stats.accept_lengths)
-    assert tokens >= 1000 and accepted > 0.1 * steps
+    assert tokens >= 500 and accepted > 0.1 * steps
 
 
 @pytest.mark.smollm2
