@@ -148,7 +148,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         summary["compare"] = evaluate_other_head(evaluator, str(cfg.train_eval.compare_head), trainer.draft_model)
     if wandb_run is not None:
         wandb_run.finish()
-    print(f"# dart-train done: {summary['steps']} steps, head at {summary['head']}", flush=True)
+    budget = (f" of {summary['total_steps']} (time budget trainer.max_minutes={summary['max_minutes']:g} reached)"
+              if summary.get("stopped_on") == "time_budget" else "")
+    print(f"# dart-train done: {summary['steps']}{budget} steps, head at {summary['head']}", flush=True)
     return summary
 
 

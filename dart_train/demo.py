@@ -75,11 +75,20 @@ def build_trie(ngram_cfg: DictConfig) -> Path:
 
 
 def train_config(cfg: DictConfig, trie: Path) -> DictConfig:
+    """dart-train's config for the demo's training stage; the types of its trainer group are checked
+    here too (e.g. a trainer.max_minutes that is not a number), before the trie build."""
+    from dart_train.builders import trainer_config
+
     run_dir = Path(cfg.out_dir) / "train"
     # The head to be served goes through the same held-out evaluation, so the two τ printed compare.
     compare = [f"train_eval.compare_head={cfg.draft_model}"] if cfg.draft_model else []
-    return _compose("train", cfg, [*cfg.train_overrides, f"output_dir={run_dir}", f"train_eval.ngram_model={trie}",
-                                   *compare])
+    stage = _compose("train", cfg, [*cfg.train_overrides, f"output_dir={run_dir}", f"train_eval.ngram_model={trie}",
+                                    *compare])
+    try:
+        trainer_config(stage)
+    except InputError as err:
+        raise InputError(f"the demo's train stage: {err}") from err
+    return stage
 
 
 def train_head(train_cfg: DictConfig) -> Path:
@@ -87,6 +96,7 @@ def train_head(train_cfg: DictConfig) -> Path:
 
     print(f"[demo 2/3] training a DART head into {train_cfg.output_dir}", flush=True)
     summary = train(train_cfg)
+    print(trained_line(summary), flush=True)
     best = summary.get("best") or {}
     if best.get("tau") is not None:
         print(f"[demo 2/3] held-out τ, simulated on {train_cfg.train_eval.limit} held-out ShareGPT conversations "
@@ -98,6 +108,20 @@ def train_head(train_cfg: DictConfig) -> Path:
         if other:
             print(f"[demo 2/3]   {other['head']} (served next), same evaluation: {_taus(other)}", flush=True)
     return Path(summary["head"])
+
+
+def trained_line(summary: dict) -> str:
+    """One line from the training summary: the steps and tokens reached, in how many minutes, and
+    whether the time budget (train_minutes) ended the run before train_steps."""
+    steps, total = summary.get("steps"), summary.get("total_steps")
+    line = f"[demo 2/3] trained {steps}" + (f" of {total}" if total else "") + " steps"
+    if summary.get("tokens") is not None:
+        line += f", {int(summary['tokens']):,} tokens"
+    if summary.get("minutes") is not None:
+        line += f" in {float(summary['minutes']):.1f} minutes"
+    if summary.get("stopped_on") == "time_budget":
+        line += f" (stopped by the time budget, train_minutes={float(summary['max_minutes']):g})"
+    return line
 
 
 def _taus(result: dict) -> str:

@@ -86,7 +86,37 @@ def test_demo_passes_its_hardware_to_the_training_and_evaluation_stages(tmp_path
         HydraConfig.instance().cfg = None
     assert ev.tree.remain_total == 60 and default_ev.tree.remain_total != 60  # the paper's GPU tree
     assert train_cfg.trainer.max_tokens == 2048  # the demo's own overrides still win over the group's
+    assert train_cfg.trainer.max_minutes == cfg.train_minutes > 0  # the time budget of its training stage
     assert ev.draft_model == "dart-smollm2-135m-instruct"
+
+
+def test_demo_trains_on_a_time_budget_checked_before_it_starts(tmp_path: Path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from dart_infer.cli.checks import check_config
+    from dart_infer.common.configs import configs_dir
+    from dart_infer.common.errors import InputError
+    from dart_train.demo import train_config, trained_line
+
+    with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
+        defaults = compose(config_name="demo")
+        assert defaults.train_steps == 250 and 0 < defaults.train_minutes <= 5  # ~10 minutes on 2 cores in all
+        for bad, message in (("train_minutes=-1", "train_minutes=-1: must be >= 0"),
+                             ("train_minutes=soon", "train_minutes=soon: expected a number")):
+            with pytest.raises(InputError, match=f"^{message}$"):
+                check_config("dart-demo", compose(config_name="demo", overrides=[bad]), defaults)
+        cfg = compose(config_name="demo", overrides=[f"out_dir={tmp_path}", "train_minutes=0"])
+        assert train_config(cfg, tmp_path / "full.ngt").trainer.max_minutes == 0  # 0: no time limit
+        cfg = compose(config_name="demo", overrides=[f"out_dir={tmp_path}",
+                                                     "train_overrides=['trainer.max_minutes=soon']"])
+        with pytest.raises(InputError, match="^the demo's train stage: trainer.max_minutes=soon: expected a number$"):
+            train_config(cfg, tmp_path / "full.ngt")
+    budget = {"steps": 38, "total_steps": 250, "tokens": 1234567, "minutes": 4.04, "stopped_on": "time_budget",
+              "max_minutes": 4.0}
+    assert trained_line(budget) == ("[demo 2/3] trained 38 of 250 steps, 1,234,567 tokens in 4.0 minutes "
+                                    "(stopped by the time budget, train_minutes=4)")
+    assert trained_line({**budget, "steps": 250, "stopped_on": "max_steps"}) == (
+        "[demo 2/3] trained 250 of 250 steps, 1,234,567 tokens in 4.0 minutes")
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)

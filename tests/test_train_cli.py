@@ -66,6 +66,13 @@ def test_dart_train_end_to_end_then_resume_or_refuse(tiny_checkpoint, conversati
     applied = run_train_cli([f"output_dir={out}", "resume=true", "trainer.max_steps=6", "optim.lr=0.5"], tmp_path)
     assert applied.returncode == 0, applied.stderr[-4000:]
     assert "resume: optim.lr: 2e-05 -> 0.5 (applied to the restored optimiser/schedule)" in applied.stdout + applied.stderr
+    # resume=true on the finished run (step 6 of 6): nothing to train, what the run measured is kept.
+    summary = (out / "summary.json").read_bytes()
+    assert json.loads(summary)["steps"] == 6 and json.loads(summary)["final_loss"] is not None
+    finished = run_train_cli([f"output_dir={out}", "resume=true"], tmp_path)
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    assert "already finished at step 6" in finished.stdout + finished.stderr
+    assert (out / "summary.json").read_bytes() == summary
 
 
 def test_defaults_compose_with_paper_recipe() -> None:
@@ -104,6 +111,24 @@ def test_unknown_keys_are_errors() -> None:
         compose_train("trainer.max_step=3")  # typo of max_steps
     with pytest.raises(ConfigCompositionException):
         compose_train("optim.learning_rate=1e-4")
+
+
+def test_max_minutes_is_a_number_of_minutes_or_null(tmp_path: Path) -> None:
+    from dart_infer.cli.checks import check_config
+    from dart_infer.common.errors import InputError
+    from dart_train.builders import settings_from_config
+
+    assert settings_from_config(compose_train()).max_minutes is None  # the default: no time limit
+    assert settings_from_config(compose_train("trainer.max_minutes=2.5")).max_minutes == 2.5
+    assert settings_from_config(compose_train("trainer.max_minutes=0")).max_minutes is None
+    with pytest.raises(InputError, match=r"^trainer.max_minutes=-1: must be >= 0$"):
+        check_config("dart-train", compose_train("trainer.max_minutes=-1"), compose_train())
+    with pytest.raises(InputError, match=r"^trainer.max_minutes=soon: expected a number$"):
+        settings_from_config(compose_train("trainer.max_minutes=soon"))
+    # The command refuses it in one line (exit 2) before loading anything.
+    result = run_train_cli(["trainer.max_minutes=soon", f"output_dir={tmp_path / 'run'}"], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == "dart-train: error: trainer.max_minutes=soon: expected a number"
 
 
 def test_run_dir_checks(tmp_path: Path) -> None:

@@ -203,11 +203,73 @@ def test_zero3_bf16_trains_close_to_fp32(tiny_target, tiny_dataset, stage0_head,
         assert cosine > 0.9, (key, float(cosine))
 
 
+def test_time_budget_ends_the_run_at_a_step_and_a_resume_gets_a_fresh_one(
+    tiny_target, tiny_dataset, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """trainer.max_minutes: the run ends at the step that reaches it, as at max_steps (checkpoint, head,
+    summary saying why); a resume continues exactly with a fresh budget, on max_steps' LR schedule; a
+    resume with no step left keeps the finished run's summary.json and head byte for byte."""
+    from dart_train.trainer import engine
+
+    make_trainer(tiny_target, tiny_dataset, tmp_path / "full").train()  # 6 steps, no budget: the reference
+    # The clock the loop reads, moved by the data: a micro-batch takes 30 s, a step (grad_accum=2) 1 minute.
+    now = [1000.0]
+    monkeypatch.setattr(engine, "_clock", lambda: now[0])
+    run = tmp_path / "budget"
+
+    def budgeted():
+        trainer = make_trainer(tiny_target, tiny_dataset, run, max_minutes=1.5, save_every=None)
+        source = trainer.state_source
+
+        def slow_source(batch):
+            now[0] += 30.0
+            return source(batch)
+
+        trainer.state_source = slow_source
+        return trainer
+
+    summary = budgeted().train()  # 1 minute after step 1, 2 after step 2: ends at step 2 of 6
+    assert summary == json.loads((run / "summary.json").read_text())
+    assert (summary["steps"], summary["total_steps"], summary["stopped_on"]) == (2, 6, "time_budget")
+    assert (summary["max_minutes"], summary["minutes"]) == (1.5, 2.0) and summary["final_loss"] is not None
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and summary["tokens"] == sum(r["tokens"] for r in rows) > 0
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000002"]  # save_every=None
+    assert (run / "head" / "model.safetensors").is_file()
+
+    second = budgeted()
+    assert second.resume() and second.step == 2
+    assert second.train()["steps"] == 4  # a fresh budget: counted from this train(), not the first run's
+    third = budgeted()
+    assert third.resume() and third.step == 4
+    assert third.train()["stopped_on"] == "max_steps"  # step 6 comes first
+    # Exactly the uninterrupted run: the same losses, and the LR schedule of max_steps (not rescaled).
+    full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    budget = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["lr"]) for r in budget] == [(r["step"], r["loss"], r["lr"]) for r in full]
+
+    # Resumed with no step left: nothing trained, the finished run's summary and head kept as they are.
+    kept = (run / "summary.json").read_bytes()
+    head = run / "head" / "model.safetensors"
+    head_bytes, head_mtime = head.read_bytes(), head.stat().st_mtime_ns
+    finished = budgeted()
+    assert finished.resume() and finished.step == 6
+    with caplog.at_level("WARNING", logger="dart_train.trainer.engine"):
+        again = finished.train()
+    assert (run / "summary.json").read_bytes() == kept and again == json.loads(kept)
+    assert head.read_bytes() == head_bytes and head.stat().st_mtime_ns == head_mtime
+    assert "already finished at step 6" in caplog.text
+
+
 def test_bad_settings() -> None:
     with pytest.raises(ValueError, match="zero_stage"):
         TrainSettings(zero_stage=4)
     with pytest.raises(ValueError, match="grad_accum"):
         TrainSettings(grad_accum=0)
+    for minutes in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_minutes must be >= 0"):
+            TrainSettings(max_minutes=minutes)
+    assert TrainSettings(max_minutes=0).max_minutes is None and TrainSettings(max_minutes=2).max_minutes == 2.0
 
 
 # ------------------------------------------------------------------------------ simulated τ (evaluate)

@@ -28,7 +28,7 @@ NULLABLE: dict[str, type] = {
     "model.chat_template": str, "output_dir": str, "data.limit": int, "draft.init_from": str,
     "draft.vocab_max_sequences": int, "preprocess.regenerate.output": str, "preprocess.regenerate.max_turns": int,
     "states.autocast_dtype": str, "states.topk": int, "trainer.max_steps": int, "trainer.batch_size": int,
-    "trainer.max_anchors": int, "trainer.max_tokens": int, "trainer.pack_length": int, "trainer.save_every": int,
+    "trainer.max_anchors": int, "trainer.max_minutes": float, "trainer.max_tokens": int, "trainer.pack_length": int, "trainer.save_every": int,
     "train_eval.every": int, "train_eval.compare_head": str,
     "optim.warmup_steps": int, "logging.wandb.mode": str, "logging.wandb.name": str,
     "train_eval.ngram_model": str, "train_eval.limit": int, "input": str, "output": str, "vocab_size": int,

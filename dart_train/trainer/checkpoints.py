@@ -62,11 +62,12 @@ class ResumeError(InputError):
 
 
 # Settings a resumed run may change: the optimiser's hyper-parameters and the LR schedule are applied
-# to the restored optimiser/scheduler; the rest is read afresh every step.
+# to the restored optimiser/scheduler; the rest is read afresh every step (max_minutes: a fresh budget
+# for each process).
 _APPLIED_ON_RESUME = frozenset({
     "lr", "betas", "eps", "weight_decay", "warmup_ratio", "warmup_steps", "min_lr_ratio", "max_steps",
     "epochs", "grad_clip", "gamma", "autocast_dtype", "max_anchors", "attention", "log_every", "eval_every",
-    "save_every", "keep_last", "progress",
+    "save_every", "keep_last", "progress", "max_minutes",
 })
 _WHY_REFUSED = {
     "zero_stage": "DeepSpeed stores the optimiser state per ZeRO stage",

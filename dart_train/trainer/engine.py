@@ -6,7 +6,8 @@
   world of one (env vars RANK/WORLD_SIZE/MASTER_ADDR/...) when started as a plain process;
   gloo on CPU, nccl on GPU.
 - `DartTrainer(draft_model, state_source, loader, settings, run_dir, evaluator=None)`:
-  `.train()` runs until `max_steps` optimiser steps (or `epochs` passes over the loader).
+  `.train()` runs until `max_steps` optimiser steps (or `epochs` passes over the loader), or until
+  `max_minutes` of wall-clock time in this process, whichever comes first; `summary.json` says which.
   Only the head's trainable parameters are given to DeepSpeed (`torch.optim.AdamW` passed in,
   cosine schedule with linear warm-up, clipping, gradient accumulation, ZeRO 0-3, bf16). The frozen
   target lives in the state source and the frozen embedding outside the head's module registry
@@ -49,9 +50,12 @@ log = logging.getLogger(__name__)
 
 # Re-exported: the settings check and its error belong to the checkpoints but are the engine's API.
 # Re-exported too: the schedule, the memory estimate and the process group, which callers reach through here.
-__all__ = ["CHECKPOINT_DIR", "RANK_STATE", "DartTrainer", "MemoryEstimate", "ResumeError", "TrainSettings",
-           "check_resumable", "cosine_with_warmup", "estimate_step_memory", "init_distributed"]
+__all__ = ["CHECKPOINT_DIR", "RANK_STATE", "SUMMARY_FILE", "DartTrainer", "MemoryEstimate", "ResumeError",
+           "TrainSettings", "check_resumable", "cosine_with_warmup", "estimate_step_memory", "init_distributed"]
 
+SUMMARY_FILE = "summary.json"
+# The clock of the time budget (`max_minutes`) and of the summary's seconds.
+_clock = time.perf_counter
 
 
 def _anchor_seed(seed: int, global_micro: int) -> int:
@@ -228,35 +232,78 @@ class DartTrainer(CheckpointedTraining):
         return out, int(states["loss_mask"].sum())
 
     def train(self) -> dict[str, Any]:
-        """Train to the end (resuming from the last checkpoint is `resume()` before this).
+        """Train to the end (resuming from the last checkpoint is `resume()` before this): `max_steps`
+        (or `epochs`), or the end of the optimiser step that reaches `max_minutes` of this call, with a
+        final evaluation, checkpoint, exported head and `summary.json` either way. A resumed run with
+        no step left keeps the finished run's head and summary (`_already_finished`).
 
         SIGINT (Ctrl-C) / SIGTERM stop the run at the end of the current optimiser step, with a
         checkpoint when a step was taken since the last one (`StopOnSignal`), then raise
         KeyboardInterrupt; a second signal raises it at once, without a checkpoint."""
         from tqdm.auto import tqdm
 
+        if self.step >= self.total_steps:  # resumed at (or past) the end of a finished run
+            return self._already_finished()
         quiet = not self.settings.progress or rank_and_world_size()[0] != 0
         bar = tqdm(total=self.total_steps, initial=self.step, disable=quiet, desc="dart-train", dynamic_ncols=True)
-        started = time.perf_counter()
+        started = _clock()
         with StopOnSignal() as stop:
-            self._train_loop(bar, stop)
+            timed_out = self._train_loop(bar, stop, started)
         bar.close()
         self.export(self.run_dir / HEAD_DIR)
-        summary = {
+        summary = self._summary(_clock() - started, "time_budget" if timed_out else "max_steps")
+        if rank_and_world_size()[0] == 0:
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _summary(self, seconds: float, stopped_on: str) -> dict[str, Any]:
+        """What `summary.json` records of this process's part of the run (steps count from step 1)."""
+        return {
             "steps": self.step,
+            "total_steps": self.total_steps,
+            # max_steps (or optim.epochs' steps) reached, or the time budget trainer.max_minutes
+            "stopped_on": stopped_on,
+            "max_minutes": self.settings.max_minutes,
+            "minutes": seconds / 60,
+            "tokens": sum(int(m["tokens"]) for m in self.history),  # trained in this process, all ranks
             "final_loss": self.history[-1]["loss"] if self.history else None,
-            "seconds": time.perf_counter() - started,
+            "seconds": seconds,
             "best": self.best,
             "head": str(self.run_dir / HEAD_DIR),
             "timings": dict(self.timings),
             # The device's high-water mark of this process (target, head, optimiser, activations).
             "peak_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         }
-        if rank_and_world_size()[0] == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    def _already_finished(self) -> dict[str, Any]:
+        """`train()` of a resumed run that has no step left (`resume=true` on a finished run): what the
+        finished run measured stays as it is, `summary.json` and `head/` untouched (written only where
+        missing: a run killed after its last checkpoint). Returns the kept summary."""
+        rank = rank_and_world_size()[0]
+        head, summary_file = self.run_dir / HEAD_DIR, self.run_dir / SUMMARY_FILE
+        if all_ranks_agree(rank == 0 and not (head / "model.safetensors").is_file()):
+            self.export(head)
+        try:
+            summary = json.loads(summary_file.read_text())
+            kept = "summary.json and head/ kept as they are"
+        except (OSError, ValueError):  # missing (or unreadable): this process's (empty) summary
+            summary = self._summary(0.0, "max_steps")
+            kept = "summary.json written (it was missing)"
+            if rank == 0:
+                summary_file.write_text(json.dumps(summary, indent=2))
+        if rank == 0:
+            log.warning("the run in %s was already finished at step %d (of %d): nothing to train, %s; raise "
+                        "trainer.max_steps to train it further", self.run_dir, self.step, self.total_steps, kept)
         return summary
 
-    def _train_loop(self, bar: Any, stop: StopOnSignal) -> None:
+    def _out_of_time(self, started: float) -> bool:
+        """True on every rank once any rank has spent `max_minutes` since `started` (a collective when
+        a budget is set: every rank calls it at every step boundary)."""
+        budget = self.settings.max_minutes
+        return bool(budget) and all_ranks_agree(_clock() - started >= budget * 60)
+
+    def _train_loop(self, bar: Any, stop: StopOnSignal, started: float) -> bool:
+        """The steps up to `total_steps`; True when it stopped earlier, on the time budget."""
         s = self.settings
         window = MetricsWindow(self.draft_model.config.draft_length)
         micro = 0
@@ -279,15 +326,20 @@ class DartTrainer(CheckpointedTraining):
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", a1=f"{metrics['alpha_1']:.3f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
-                if self.step % s.log_every == 0 or self.step == self.total_steps:
+                timed_out = self.step < self.total_steps and self._out_of_time(started)
+                last = self.step == self.total_steps or timed_out
+                if timed_out and rank_and_world_size()[0] == 0:
+                    log.warning("time budget trainer.max_minutes=%g reached at step %d of %d (%.1f minutes): the run "
+                                "ends here; dart-train output_dir=%s resume=true continues it, with a fresh budget",
+                                s.max_minutes, self.step, self.total_steps, (_clock() - started) / 60, self.run_dir)
+                if self.step % s.log_every == 0 or last:
                     self._log(metrics)
-                last = self.step == self.total_steps
                 if self.evaluator is not None and (last or (s.eval_every and self.step % s.eval_every == 0)):
                     self._update_best(self._evaluate())
                 if last or (s.save_every and self.step % s.save_every == 0):
                     self.save_checkpoint()
                 if last:  # the run is complete: finishing it is the quickest way out, signal or not
-                    return
+                    return timed_out
                 if all_ranks_agree(stop.signal_name is not None):
                     self._stop_interrupted(stop.signal_name or "a signal on another rank")
             # A resumed loader may sit at the very end of an epoch: one empty pass is normal.
@@ -298,6 +350,7 @@ class DartTrainer(CheckpointedTraining):
                     "fewer batches than ranks (every rank takes every world_size-th batch): use smaller batches "
                     "(trainer.max_tokens / batch_size / pack_length) or fewer ranks"
                 )
+        return False
 
     def _stop_interrupted(self, why: str) -> None:
         """At an optimiser-step boundary after SIGINT/SIGTERM: checkpoint the steps not saved yet (this

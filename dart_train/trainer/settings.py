@@ -11,10 +11,14 @@ yaml key and one field here, and reaches the engine by its name. Invalid combina
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
+
+from dart_infer.common.errors import InputError
 
 __all__ = ["CONFIG_KEYS", "EngineConfig", "LoggingConfig", "OptimConfig", "TrainSettings", "TrainerConfig",
            "WandbConfig", "from_group"]
@@ -46,6 +50,10 @@ class EngineConfig:
     bf16: bool = False
     grad_accum: int = 1
     max_steps: int | None = None  # optimiser steps; overrides epochs when set
+    # Wall-clock minutes of train() in this process (a resumed run gets a fresh budget): the run ends at
+    # the end of the optimiser step that reaches it, as at max_steps. None/0 = no time limit. The LR
+    # schedule stays the one of max_steps (not rescaled to the steps reached).
+    max_minutes: float | None = None
     max_anchors: int | None = None  # per row; None = every loss-masked anchor
     attention: str = "auto"  # auto (flex on GPU, dense on CPU) | dense | flex
     save_every: int | None = None  # optimiser steps; None = only at the end
@@ -81,11 +89,23 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+_EXPECTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
 def from_group(cls: type[T], node: DictConfig | dict[str, Any]) -> T:
     """A config group's node as its structured config `cls`: interpolations resolved, types converted,
-    a key `cls` does not have refused (OmegaConf's ConfigKeyError)."""
+    a key `cls` does not have refused (OmegaConf's ConfigKeyError), a value of the wrong type refused in
+    one line naming the key (`InputError`: `trainer.max_minutes=soon: expected a number`)."""
     values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), values))
+    except ValidationError as err:
+        group = node._get_full_key(None) if isinstance(node, DictConfig) else ""
+        key = f"{group}.{err.full_key}" if group else str(err.full_key)
+        kind = re.search(r"converted to (\w+)", str(err))
+        expected = _EXPECTED.get(kind.group(1)) if kind else None
+        why = f"expected {expected}" if expected else " ".join(str(err.msg).split())
+        raise InputError(f"{key}={'null' if err.value is None else err.value}: {why}") from err
 
 
 @dataclass
@@ -125,6 +145,8 @@ class TrainSettings(EngineConfig, OptimConfig):
             raise ValueError("set max_steps or epochs >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.max_minutes is not None and not self.max_minutes >= 0:  # also refuses nan
+            raise ValueError(f"max_minutes must be >= 0 (0 or None: no time limit), got {self.max_minutes}")
         if self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
         if self.attention not in ("auto", "dense", "flex"):
@@ -137,6 +159,7 @@ class TrainSettings(EngineConfig, OptimConfig):
             raise ValueError("bf16 (bf16 weights) and autocast_dtype exclude each other: choose one")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
         self.save_every = self.save_every or None  # 0: only at the end, as None
+        self.max_minutes = float(self.max_minutes) if self.max_minutes else None  # 0: no time limit, as None
 
 
 # The config key of each TrainSettings field, for messages: the group whose structured config has it,
