@@ -15,7 +15,7 @@ import torch
 
 from dart_infer import _search
 
-__all__ = ["ContextNgram", "tree_search"]
+__all__ = ["ContextNgram", "search_arguments", "tree_search"]
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
 
@@ -225,3 +225,23 @@ def tree_search(
     if return_parents:
         return (*result, torch.from_numpy(parents))
     return result
+
+
+def search_arguments(settings: Any, trie: Any, eos_token_id: int | None) -> dict[str, Any]:
+    """The keyword arguments of `tree_search` for `settings` (trees and chains alike)."""
+    use_context = settings.context_ngram_weight > 0
+    kwargs: dict[str, Any] = dict(
+        eos_token_id=eos_token_id,
+        beam_width=settings.beam_width,
+        remain_total=settings.remain_total,
+        ngram_weight=settings.ngram_weight if trie is not None or use_context else 0.0,
+        ngram_on_first_level=settings.ngram_on_first_level,
+        context_weight=settings.context_ngram_weight,
+        context_propose=settings.context_ngram_propose,
+    )
+    if settings.level_weight is not None:
+        kwargs["level_weight"] = list(settings.level_weight)
+    if settings.logit_weight is not None:
+        kwargs["logit_weight"] = list(settings.logit_weight)
+    return kwargs
+

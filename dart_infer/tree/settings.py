@@ -3,7 +3,8 @@
 `draft_trees` takes the draft head's logit rows (one [d, draft_vocab] block per decoding state),
 keeps the top-k draft-vocabulary entries per row, maps them to target ids (d2t) with their softmax
 over those k, and runs the C++ n-gram-enforced beam search (`dart_infer.tree.search.tree_search`) on the
-token history of each state (ending with the root). `DartModel.dart_generate` calls it once per
+token history of each state (ending with the root); with `shape="chain"` it keeps that search's best
+path (`best_chain`, for engines that verify only a chain: vLLM). `DartModel.dart_generate` calls it once per
 step; `dart_train.trainer.simulated_tau.SimulatedTau` once per batch of held-out anchors. Anything that changes
 how candidates become a tree (extra candidate sources, scoring) belongs here, so both sides see it.
 """
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
 __all__ = [
     "CPU_FP32_TREE",
     "CPU_TREE",
+    "TREE_SHAPES",
     "DraftTree",
     "TreeSearchSettings",
+    "chain_tree",
     "copy_span",
     "default_tree",
     "draft_trees",
@@ -47,16 +50,28 @@ def with_field_overrides(settings: Any, overrides: Mapping[str, Any] | None, kin
 
 
 COPY_SPAN_MAX_MATCH = 4  # the longest history suffix a copy span is matched on
+TREE_SHAPES = ("tree", "chain")  # TreeSearchSettings.shape
 
 
 @dataclass(frozen=True)
 class TreeSearchSettings:
     """Knobs of the draft tree. The defaults are the paper's GPU setting (a 60-node tree); on a CPU
-    verifying 60 nodes costs several single-token steps, so smaller trees are usually faster there."""
+    verifying 60 nodes costs several single-token steps, so smaller trees are usually faster there.
+
+    `shape="chain"` drafts one path instead of a tree (what an engine that verifies only a chain,
+    vLLM, can take): the same n-gram-enforced beam search over the head's top-k rows, then its best
+    path of depth K = min(remain_total, d) (`best_chain` says what "best" is); remain_total is
+    then the chain's length bound, so a chain verifies 1 + min(K, d) nodes and a compiled target
+    pads to 1 + remain_total (`DartMethod.max_tree_nodes`).
+    Chains take no context n-grams or copy spans (set to anything but 0 they are refused).
+    `draft_top_k=1` makes it the argmax chain (each row's argmax, what vLLM's own proposer drafts).
+    """
 
     draft_top_k: int = 25  # candidates per draft position
     beam_width: int = 20
-    remain_total: int = 60  # nodes kept in the final tree (root excluded)
+    # Nodes kept in the final tree (root excluded); with shape="chain" the chain's length bound K
+    # (the chain has min(K, d) nodes, d = the head's draft length).
+    remain_total: int = 60
     ngram_weight: float = 0.5
     level_weight: tuple[float, ...] | None = None  # per-level weights; None = search default (l+1)^-0.7
     logit_weight: tuple[float, ...] | None = None  # None = search default 0.9^l
@@ -74,8 +89,17 @@ class TreeSearchSettings:
     # deeper than the draft's d levels where the copy is longer. 0 = off.
     copy_span_tokens: int = 0
     copy_span_min_match: int = 2
+    # "tree" (the search's best remain_total nodes) or "chain" (its best path; see the class docstring).
+    shape: str = "tree"
 
     def __post_init__(self) -> None:
+        if self.shape not in TREE_SHAPES:
+            raise ValueError(f"shape must be one of {', '.join(TREE_SHAPES)}, got {self.shape!r}")
+        if self.shape == "chain" and (self.context_ngram_weight > 0 or self.copy_span_tokens > 0):
+            raise ValueError(
+                "shape=chain drafts from the head's rows and the trie only: set context_ngram_weight=0 and "
+                f"copy_span_tokens=0 (got {self.context_ngram_weight} and {self.copy_span_tokens}; tree=chain does)"
+            )
         for name in ("draft_top_k", "beam_width", "remain_total"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -199,6 +223,19 @@ def with_copy_span(tree: DraftTree, span: Sequence[int]) -> DraftTree:
     return tree_from_parents(tokens, parents, positions)
 
 
+def chain_tree(history: torch.Tensor | Sequence[int], chain: Sequence[int]) -> DraftTree:
+    """The `DraftTree` of a chain: the root (the history's last token), then `chain`, each node the
+    child of the one before (one leaf, depth = position)."""
+    root = int(history[-1])
+    n = 1 + len(chain)
+    tokens = torch.tensor([root, *chain], dtype=torch.long)
+    retrieve = torch.arange(n, dtype=torch.long)[None]
+    mask = torch.ones(n, n, dtype=torch.bool).tril_()
+    positions = torch.arange(n, dtype=torch.long)
+    parents = torch.arange(-1, n - 1, dtype=torch.long)
+    return DraftTree(tokens, retrieve, mask, positions, parents)
+
+
 def request_context(settings: TreeSearchSettings) -> ContextNgram | None:
     """A new request's context n-gram model (None when `settings` leave it off): serving makes one
     per request and passes it to every `draft_trees` call, which brings it up to date."""
@@ -219,7 +256,8 @@ def draft_trees(
     eos_token_ids: Sequence[int],
     contexts: Sequence[ContextNgram | None] | None = None,
 ) -> list[DraftTree]:
-    """One tree per decoding state from the draft head's logits.
+    """One tree per decoding state from the draft head's logits (a chain, a tree of one path, with
+    `settings.shape == "chain"`: `best_chain`).
 
     draft_logits: [N, d, draft_vocab], the d rows of N states (any device). draft_model: the
     `DartDraftModel` (its d2t maps draft ids to target ids). histories: N 1-D CPU token tensors,
@@ -232,7 +270,12 @@ def draft_trees(
     tokens are added); a missing one (None, or no list) is built from the whole history
     (simulated τ: each anchor's prefix). Ignored when the weight is 0.
     """
-    from dart_infer.tree.search import ContextNgram, tree_search  # C++ extension; imported when first needed
+    from dart_infer.tree.chain import best_chain
+    from dart_infer.tree.search import (  # C++: loaded when first needed
+        ContextNgram,
+        search_arguments,
+        tree_search,
+    )
 
     if draft_logits.dim() != 3 or draft_logits.shape[0] != len(histories):
         raise ValueError(
@@ -257,19 +300,14 @@ def draft_trees(
     top = torch.topk(draft_logits.float(), min(settings.draft_top_k, draft_logits.shape[-1]), dim=-1)
     candidates = draft_model.draft_to_target(top.indices).cpu()
     probs = torch.softmax(top.values, dim=-1).cpu()
-    search_kwargs: dict[str, Any] = dict(
-        eos_token_id=eos_token_ids[0] if eos_token_ids else None,
-        beam_width=settings.beam_width,
-        remain_total=settings.remain_total,
-        ngram_weight=settings.ngram_weight if trie is not None or use_context else 0.0,
-        ngram_on_first_level=settings.ngram_on_first_level,
-        context_weight=settings.context_ngram_weight,
-        context_propose=settings.context_ngram_propose,
-    )
-    if settings.level_weight is not None:
-        search_kwargs["level_weight"] = list(settings.level_weight)
-    if settings.logit_weight is not None:
-        search_kwargs["logit_weight"] = list(settings.logit_weight)
+    eos_token_id = eos_token_ids[0] if eos_token_ids else None
+    if settings.shape == "chain":  # the search's best path (no context n-grams, no copy spans: refused)
+        return [
+            chain_tree(history, best_chain(candidates[i], probs[i], trie, history, settings=settings,
+                                           eos_token_id=eos_token_id))
+            for i, history in enumerate(histories)
+        ]
+    search_kwargs = search_arguments(settings, trie, eos_token_id)
     trees = [
         DraftTree(
             *tree_search(

@@ -17,7 +17,7 @@ __all__ = ["METHOD", "DartDrafter", "DartMethod"]
 
 class DartDrafter:
     """DART's side of the loop: `update` runs the head's one draft forward over the new prefix
-    positions (its d logit rows), `propose` turns them into a tree with the C++ search."""
+    positions (its d logit rows), `propose` turns them into a tree (or a chain) with the C++ search."""
 
     propose_phase = "search"
 
@@ -59,10 +59,13 @@ class DartMethod(DraftMethod):
         return DartDrafter(model, settings)
 
     def max_tree_nodes(self, settings: TreeSearchSettings) -> int:
-        return 1 + settings.remain_total + settings.copy_span_tokens  # a copy span joins the kept nodes
+        # A copy span joins a tree's kept nodes; a chain (no copy spans) is the root + at most
+        # remain_total nodes (min(remain_total, d): a remain_total above d pads beyond the chain).
+        return 1 + settings.remain_total + settings.copy_span_tokens
 
     def max_depth(self, head: Any, settings: TreeSearchSettings) -> int:
-        return int(head.config.draft_length)
+        depth = int(head.config.draft_length)
+        return min(depth, settings.remain_total) if settings.shape == "chain" else depth
 
 
 METHOD = DartMethod()
