@@ -148,6 +148,18 @@ PUBLISHED_KEYS = {
 EOS = 2  # the EOS id of the golden search cases
 
 
+def golden_trie():
+    """The trie of the golden search cases (tests/fixtures/golden60_docs.json: the original
+    implementation's documents)."""
+    from ngram_builder import NgramTrie
+
+    spec = json.loads((FIXTURES / "golden60_docs.json").read_text())
+    trie = NgramTrie(order=spec["order"])
+    for doc in spec["docs"]:
+        trie.add_tokens(doc)
+    return trie
+
+
 def node_paths(draft_tokens, tree_mask) -> list[tuple[int, ...]]:
     """Token path (root excluded) of every non-root node, read from the mask and depth order."""
     tokens = [int(t) for t in draft_tokens]

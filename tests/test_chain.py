@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, FIXTURES, check_encoding, reference, tiny_pair
+from helpers import EOS, FIXTURES, check_encoding, golden_trie, reference, tiny_pair
 
 from dart_infer import DartModel, TreeSearchSettings
 from dart_infer.methods.dart import METHOD
@@ -33,14 +33,9 @@ def golden_cases() -> list[dict]:
         return [json.loads(line) for line in f][:12]
 
 
-@pytest.fixture(scope="module")
-def golden_trie():
-    with open(FIXTURES / "golden60_docs.json") as f:
-        spec = json.load(f)
-    trie = NgramTrie(order=spec["order"])
-    for doc in spec["docs"]:
-        trie.add_tokens(doc)
-    return trie
+@pytest.fixture(scope="module", name="golden_trie")
+def golden_trie_fixture():
+    return golden_trie()
 
 
 def reference_best_path(topk_tokens, topk_probs, prompt, *, trie, levels, beam_width, ngram_weight=0.5,

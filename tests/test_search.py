@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, FIXTURES, check_encoding, node_paths
+from helpers import EOS, FIXTURES, check_encoding, golden_trie, node_paths
 
 from dart_infer.tree.search import tree_search
 from ngram_builder import NgramTrie
@@ -29,12 +29,7 @@ def golden_cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def golden_trie_built():
-    with open(FIXTURES / "golden60_docs.json") as f:
-        spec = json.load(f)
-    trie = NgramTrie(order=spec["order"])
-    for doc in spec["docs"]:
-        trie.add_tokens(doc)
-    return trie
+    return golden_trie()
 
 
 @pytest.fixture(scope="module")
