@@ -7,6 +7,7 @@ Fixtures live in conftest.py; everything here is an ordinary function or constan
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -146,6 +147,33 @@ PUBLISHED_KEYS = {
 # ------------------------------------------------------------------------------------- tree search
 
 EOS = 2  # the EOS id of the golden search cases
+
+
+def reference_beam_levels(topk_tokens, topk_probs, prompt, *, trie=None, eos=EOS, beam_width=20, ngram_weight=0.5,
+                          level_weight=None, logit_weight=None, ngram_on_first_level=False):
+    """dart-method.md §4's beam search written as plainly as possible (float64, Python lists): each
+    level's children (path, cumulative score) in the order the search generates them."""
+    levels = len(topk_tokens)
+    level_weight = level_weight or [(level + 1) ** -0.7 for level in range(levels)]
+    logit_weight = logit_weight or [0.9**level for level in range(levels)]
+    beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+    for level in range(levels):
+        tokens = [int(t) for t in topk_tokens[level]]
+        children = []
+        for path, score in beam:
+            use_ngram = trie is not None and ngram_weight > 0 and (level > 0 or ngram_on_first_level)
+            if use_ngram:
+                keep = trie.order - 1
+                context = (list(prompt) + list(path))[-keep:] if keep > 0 else []
+                ngram_probs, _ = trie.probability(context, tokens)
+            for j, token in enumerate(tokens):
+                term = logit_weight[level] * math.log(float(topk_probs[level][j]) + 1e-10)
+                if use_ngram:
+                    term += ngram_weight * math.log(float(ngram_probs[j]) + 1e-10)
+                children.append((path + (token,), score + level_weight[level] * term))
+        yield list(children)
+        children.sort(key=lambda child: (child[0][-1] == eos, -child[1]))
+        beam = children[:beam_width]
 
 
 def golden_trie():

@@ -12,12 +12,11 @@ search's best path, what an engine that verifies only a chain (vLLM) can take.
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, FIXTURES, check_encoding, golden_trie, reference, tiny_pair
+from helpers import EOS, FIXTURES, check_encoding, golden_trie, reference, reference_beam_levels, tiny_pair
 
 from dart_infer import DartModel, TreeSearchSettings
 from dart_infer.methods.dart import METHOD
@@ -40,29 +39,12 @@ def golden_trie_fixture():
 
 def reference_best_path(topk_tokens, topk_probs, prompt, *, trie, levels, beam_width, ngram_weight=0.5,
                         eos=EOS) -> tuple[int, ...]:
-    """dart-method.md §4's beam search written plainly (float64), then its best path at depth `levels`:
-    the highest-scoring child of the last level (the first generated among equal scores)."""
-    level_weight = [(level + 1) ** -0.7 for level in range(levels)]
-    logit_weight = [0.9**level for level in range(levels)]
-    beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
-    for level in range(levels):
-        tokens = [int(t) for t in topk_tokens[level]]
-        children = []
-        for path, score in beam:
-            use_ngram = trie is not None and ngram_weight > 0 and level > 0
-            if use_ngram:
-                context = (list(prompt) + list(path))[-(trie.order - 1):]
-                ngram_probs, _ = trie.probability(context, tokens)
-            for j, token in enumerate(tokens):
-                term = logit_weight[level] * math.log(float(topk_probs[level][j]) + 1e-10)
-                if use_ngram:
-                    term += ngram_weight * math.log(float(ngram_probs[j]) + 1e-10)
-                children.append((path + (token,), score + level_weight[level] * term))
-        if level + 1 == levels:
-            return max(children, key=lambda child: child[1])[0]  # max keeps the first of equals
-        children.sort(key=lambda child: (child[0][-1] == eos, -child[1]))
-        beam = children[:beam_width]
-    raise AssertionError("unreachable")
+    """dart-method.md §4's beam search written plainly (`helpers.reference_beam_levels`), then its best
+    path at depth `levels`: the highest-scoring child of the last level (the first generated among equal
+    scores)."""
+    *_, last = reference_beam_levels(topk_tokens[:levels], topk_probs[:levels], prompt, trie=trie, eos=eos,
+                                     beam_width=beam_width, ngram_weight=ngram_weight)
+    return max(last, key=lambda child: child[1])[0]  # max keeps the first of equals
 
 
 def random_rows(rng: np.random.Generator, levels: int, k: int, vocab: int = 60):

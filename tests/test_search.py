@@ -9,13 +9,12 @@
 from __future__ import annotations
 
 import json
-import math
 import threading
 
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, FIXTURES, check_encoding, golden_trie, node_paths
+from helpers import EOS, FIXTURES, check_encoding, golden_trie, node_paths, reference_beam_levels
 
 from dart_infer.tree.search import tree_search
 from ngram_builder import NgramTrie
@@ -43,43 +42,10 @@ def test_the_compiled_trie_exposes_its_query_hook_to_the_search() -> None:
     assert hasattr(NgramTrie, "_ngram_query_capsule"), "rebuild ngram_builder (`make venv` / pip install -e .)"
 
 
-def reference_search(
-    topk_tokens,
-    topk_probs,
-    prompt,
-    *,
-    trie=None,
-    eos=EOS,
-    beam_width=20,
-    remain_total=60,
-    ngram_weight=0.5,
-    level_weight=None,
-    logit_weight=None,
-    ngram_on_first_level=False,
-) -> set[tuple[int, ...]]:
-    """dart-method.md §4 written as plainly as possible (float64, Python lists)."""
-    levels = len(topk_tokens)
-    level_weight = level_weight or [(level + 1) ** -0.7 for level in range(levels)]
-    logit_weight = logit_weight or [0.9**level for level in range(levels)]
-    beam: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
-    generated: list[tuple[tuple[int, ...], float]] = []
-    for level in range(levels):
-        tokens = [int(t) for t in topk_tokens[level]]
-        children = []
-        for path, score in beam:
-            use_ngram = trie is not None and ngram_weight > 0 and (level > 0 or ngram_on_first_level)
-            if use_ngram:
-                keep = trie.order - 1
-                context = (list(prompt) + list(path))[-keep:] if keep > 0 else []
-                ngram_probs, _ = trie.probability(context, tokens)
-            for j, token in enumerate(tokens):
-                term = logit_weight[level] * math.log(float(topk_probs[level][j]) + 1e-10)
-                if use_ngram:
-                    term += ngram_weight * math.log(float(ngram_probs[j]) + 1e-10)
-                children.append((path + (token,), score + level_weight[level] * term))
-        generated.extend(children)
-        children.sort(key=lambda child: (child[0][-1] == eos, -child[1]))
-        beam = children[:beam_width]
+def reference_search(topk_tokens, topk_probs, prompt, *, remain_total=60, **search) -> set[tuple[int, ...]]:
+    """dart-method.md §4 written as plainly as possible (`helpers.reference_beam_levels`): the
+    `remain_total` best of all generated nodes."""
+    generated = [child for level in reference_beam_levels(topk_tokens, topk_probs, prompt, **search) for child in level]
     generated.sort(key=lambda child: -child[1])
     return {path for path, _ in generated[:remain_total]}
 
