@@ -112,6 +112,28 @@ def reference(base, prompt: torch.Tensor, max_new: int) -> torch.Tensor:
     return base.generate(prompt, do_sample=False, max_new_tokens=max_new, pad_token_id=0)
 
 
+def assert_greedy(base, prompt: torch.Tensor, out: torch.Tensor, max_new: int, name: object = "") -> None:
+    """`out` (prompt + new tokens) is what `generate(do_sample=False, max_new_tokens=max_new)` returns.
+
+    One forward over `out` checks every new token at once: each is the argmax after its prefix, no
+    end-of-sequence token comes before the last, and it stops only at one or at `max_new`. That is
+    greedy decoding's definition, and ~200x cheaper than decoding again. Only where it disagrees
+    (a bug, or an fp32 near-tie the one forward rounds differently) is `generate` run, and its
+    output decides, so the test is as strict as comparing with `generate` outright."""
+    start = prompt.shape[1]
+    new = out[0, start:]
+    eos = base.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    with torch.no_grad():
+        predicted = base(out).logits[0, start - 1 : -1].argmax(-1)
+    stops_right = len(new) == max_new or (len(new) > 0 and int(new[-1]) in eos)
+    if torch.equal(out[0, :start], prompt[0]) and torch.equal(predicted, new) and stops_right \
+            and not eos & set(new[:-1].tolist()):
+        return
+    expected = base.generate(prompt, do_sample=False, max_new_tokens=max_new)
+    assert torch.equal(out, expected), name
+
+
 def bigram_machine(seed: int = 0, vocab: int = 48):
     """A tiny Llama whose greedy next token depends on the current token only (attention output
     zeroed): its text soon repeats, and every transition it makes again is in its context."""
