@@ -204,7 +204,7 @@ def main() -> None:
     if args.compile:
         from dart_infer.decoding.compile import compile_decoding
 
-        compile_decoding(model, capacity=args.context + args.max_new_tokens + 64)
+        compile_decoding(model, capacity=args.context + args.max_new_tokens + 64, plain=True)
     target, draft = model.target, model.draft_model
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size

@@ -277,7 +277,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
         from dart_infer.decoding.compile import compile_decoding
 
         for decoding in (model, *plain_models, *([eagle3] if eagle3 else [])):
-            compile_decoding(decoding)
+            compile_decoding(decoding, plain=True)  # the AR baselines are timed too
     evaluator = Evaluator(model, settings, plain_models, eagle3=eagle3, vllm=vllm)
     store.confirm({"tree": asdict(model.tree), "eagle3_tree": asdict(eagle3.tree) if eagle3 else None,
                    "device": str(model.target.device)})
@@ -345,7 +345,7 @@ def run_fit_tree(cfg: DictConfig) -> Path:
     if cfg.compile:  # fitted on the compiled step it will be served with: each size its own graph
         from dart_infer.decoding.compile import compile_decoding
 
-        compile_decoding(model, tree_sizes=tree_sizes(model, grid))
+        compile_decoding(model, tree_sizes=tree_sizes(model, grid), plain=True)  # fit_tree times AR
     results = fit_tree(model, prompts, grid, cfg.fit.max_new_tokens)
     # The whole tree (the fields not searched as configured), so the file alone reproduces it.
     best = {**{k: v for k, v in asdict(model.tree).items() if k not in keys and v is not None},
