@@ -168,7 +168,23 @@ def test_bad_input_is_refused_in_one_line(fitted, tmp_path: Path, capsys) -> Non
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     assert "invalid choice" in refusal(capsys, [str(head_dir), "--out", str(tmp_path / "o"), "--format", "trt"])
     assert "--target" in refusal(capsys, [str(head_dir), "--out", str(tmp_path / "o")])  # no run config.yaml
+    for bad in ("0", "four", "-3"):
+        line = refusal(capsys, [str(head_dir), "--out", str(tmp_path / "o"), "--draft-max-batch", bad])
+        assert f"--draft-max-batch {bad}" in line and "'all'" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_draft_max_batch_writes_vllms_batch_size_schedule(fitted, vllm_target_dir, tmp_path: Path) -> None:
+    """--draft-max-batch B: k drafted tokens at 1..B scheduled requests, 0 above (vLLM's dynamic SD
+    ranges); 'all' (and 'auto' for an EAGLE-3 head) writes no schedule."""
+    head_dir, _ = fitted
+    spec = export_head(str(head_dir), tmp_path / "b2", "vllm", target=str(vllm_target_dir),
+                       num_speculative_tokens=4, draft_max_batch="2").speculative_config
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 1 << 20, 0]]
+    assert json.loads((tmp_path / "b2" / SPEC_CONFIG_FILE).read_text()) == spec
+    for value in ("all", "auto"):
+        spec = export_head(str(head_dir), tmp_path / value, "vllm", target=str(vllm_target_dir)).speculative_config
+        assert "num_speculative_tokens_per_batch_size" not in spec
 
 
 def our_acceptance(base, head_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[int], int]:

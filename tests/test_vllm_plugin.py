@@ -283,13 +283,24 @@ def spec_counter(metrics: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
+# The serve test's 4 concurrent chats (CHAT first: the memorised one) and their lengths: CHAT is the longest,
+# so it ends alone, under the step-back bound, where it drafts again.
+SERVE_CHATS = [CHAT, "Name three rivers in Europe.", "What is 17 times 3?", "Describe a cat in one sentence."]
+SERVE_TOKENS = [32, 12, 16, 20]
+SERVE_MAX_BATCH = 2  # draft at up to 2 concurrent requests: the 4 cross it both ways
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_serve_streams_the_dart_heads_chat_losslessly(fitted_dart, vllm_target_dir, smollm2_tokenizer,
                                                           tmp_path: Path) -> None:
+    """One `vllm serve` with the step-back schedule, 4 concurrent streamed chats: each one = greedy plain."""
     head_dir, prompts = fitted_dart
-    export_main([str(head_dir), "--out", str(tmp_path / "export"), "--target", str(vllm_target_dir)])
+    export_main([str(head_dir), "--out", str(tmp_path / "export"), "--target", str(vllm_target_dir),
+                 "--draft-max-batch", str(SERVE_MAX_BATCH)])
     spec_text = (tmp_path / "export" / SPEC_CONFIG_FILE).read_text()
+    assert json.loads(spec_text)["num_speculative_tokens_per_batch_size"] == [
+        [1, SERVE_MAX_BATCH, ROWS], [SERVE_MAX_BATCH + 1, 1 << 20, 0]]
     port, env, wrapper = free_port(), vllm_env(), str(ROOT / "scripts" / "vllm_env.sh")
     # What a user runs: vllm serve <target> --speculative-config "$(cat <export>/vllm_speculative_config.json)"
     log = (tmp_path / "server.log").open("w")
@@ -302,8 +313,9 @@ def test_vllm_serve_streams_the_dart_heads_chat_losslessly(fitted_dart, vllm_tar
         while http_get(f"http://127.0.0.1:{port}/health") is None:
             assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-6000:]
             time.sleep(1)
+        messages = [arg for chat in SERVE_CHATS for arg in ("--message", chat)]
         chat = subprocess.run([wrapper, "python", str(ROOT / "scripts" / "vllm_chat_check.py"), "--base-url",
-                               f"http://127.0.0.1:{port}/v1", "--message", CHAT, "--max-tokens", "24",
+                               f"http://127.0.0.1:{port}/v1", *messages, "--max-tokens", *map(str, SERVE_TOKENS),
                                "--out", str(tmp_path / "chat.json")],
                               capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
         assert chat.returncode == 0, (chat.stdout + chat.stderr)[-4000:]
@@ -316,16 +328,26 @@ def test_vllm_serve_streams_the_dart_heads_chat_losslessly(fitted_dart, vllm_tar
             os.killpg(server.pid, signal.SIGKILL)  # its own session: the engine processes it started
             server.wait()
         log.close()
-    result = json.loads((tmp_path / "chat.json").read_text())
-    assert result["prompt_token_ids"] == prompts[-1]  # the server rendered the chat template as we did
-    assert result["chunks"] > 2  # streamed
+    results = json.loads((tmp_path / "chat.json").read_text())["requests"]
+    assert results[0]["prompt_token_ids"] == prompts[-1]  # the server rendered the chat template as we did
     with one_thread():
-        plain = greedy(load_target(vllm_target_dir), prompts[-1], 24)
-    assert result["token_ids"] == plain
-    # The streamed text, but for a last character whose bytes were cut (the stream holds them back).
-    assert result["text"] == smollm2_tokenizer.decode(plain, skip_special_tokens=True).removesuffix("\ufffd")
-    # The DART head drafted, and its drafts were accepted, behind the server.
-    assert spec_counter(metrics, "num_drafts") > 0 and spec_counter(metrics, "num_accepted_tokens") > 0, metrics[-3000:]
+        base = load_target(vllm_target_dir)
+        for message, new, result in zip(SERVE_CHATS, SERVE_TOKENS, results, strict=True):
+            ids = list(smollm2_tokenizer.apply_chat_template([{"role": "user", "content": message}],
+                                                             add_generation_prompt=True, tokenize=True,
+                                                             return_dict=True)["input_ids"])
+            assert result["prompt_token_ids"] == ids and result["chunks"] > 2  # rendered as ours; streamed
+            plain = greedy(base, ids, new)
+            assert result["token_ids"] == plain, message
+            # The streamed text, but for a last character whose bytes were cut (the stream holds them back).
+            assert result["text"] == smollm2_tokenizer.decode(plain, skip_special_tokens=True).removesuffix("\ufffd")
+    # The DART head drafted, and its drafts were accepted, behind the server (CHAT's tail, at <= 2 requests).
+    drafts, accepted = spec_counter(metrics, "num_drafts"), spec_counter(metrics, "num_accepted_tokens")
+    assert drafts > 0 and accepted > 0, metrics[-3000:]
+    # Step-back: a decode step that verifies drafts counts one draft and emits 1 + its accepted tokens, one that
+    # does not (k = 0 above the bound) emits 1. Drafting at every step leaves no token for the second kind.
+    undrafted = sum(n - 1 for n in SERVE_TOKENS) - drafts - accepted
+    assert undrafted > 0, (drafts, accepted)
 
 
 @pytest.mark.vllm

@@ -3,6 +3,7 @@
     dart-export runs/my-head/head --out exports/my-head                # DART: vLLM through our plugin
     dart-export runs/my-eagle3/head --out exports/my-eagle3            # EAGLE-3: vLLM (speculators format)
     dart-export runs/my-eagle3/head --out exports/my-eagle3-sgl --format sglang
+    dart-export runs/my-head/head --out exports/my-head --draft-max-batch 8   # draft at <= 8 concurrent requests
     vllm serve <target> --speculative-config "$(cat exports/my-head/vllm_speculative_config.json)"
 
 Bad input (unknown head, a DART head for SGLang, an existing non-empty --out, a bad option) is one
@@ -26,7 +27,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    from dart_infer.engines.export import DEFAULT_SPECULATIVE_TOKENS, FORMATS
+    from dart_infer.engines.export import (
+        DART_CPU_DRAFT_MAX_BATCH,
+        DEFAULT_SPECULATIVE_TOKENS,
+        DRAFT_ALWAYS,
+        DRAFT_AUTO,
+        FORMATS,
+    )
 
     p = _Parser(prog=COMMAND, description="Write a trained draft head for a serving engine.")
     p.add_argument("head", help="head directory (<run>/head, <run>/best) or embedded head name")
@@ -39,6 +46,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step written into the configs (default: a DART head's draft length "
                         f"d, all its rows from one forward; {DEFAULT_SPECULATIVE_TOKENS} for EAGLE-3)")
+    p.add_argument("--draft-max-batch", default=DRAFT_AUTO, metavar="B",
+                   help="draft while at most B requests run together, none above (vLLM's "
+                        f"num_speculative_tokens_per_batch_size); '{DRAFT_ALWAYS}': at every batch size; "
+                        f"'{DRAFT_AUTO}' (default): {DART_CPU_DRAFT_MAX_BATCH} for a DART head exported without a "
+                        f"CUDA GPU (measured on CPUs, docs/vllm.md), '{DRAFT_ALWAYS}' otherwise")
     return p
 
 
@@ -52,11 +64,15 @@ def main(argv: list[str] | None = None) -> None:
         hf_logging.disable_progress_bar()  # stderr carries only what went wrong
 
         result = export_head(args.head, args.out, args.format, target=args.target,
-                             num_speculative_tokens=args.num_speculative_tokens)
+                             num_speculative_tokens=args.num_speculative_tokens,
+                             draft_max_batch=args.draft_max_batch)
     except (Exception, KeyboardInterrupt) as err:
         sys.exit(report(err, COMMAND))
     print(f"{COMMAND}: wrote the {result.kind} head ({result.format}) to {result.out_dir}")
     print(f"  target: {result.verifier}")
+    schedule = result.speculative_config.get("num_speculative_tokens_per_batch_size")
+    if schedule:
+        print(f"  drafts at up to {schedule[0][1]} concurrent requests, none above (--draft-max-batch)")
     # vLLM's --speculative-config takes the JSON text, not a file name.
     print(f"  vllm serve {result.verifier} --speculative-config \"$(cat {result.out_dir / SPEC_CONFIG_FILE})\"")
 

@@ -39,6 +39,13 @@ that id, which no real token has), `dart_draft_rows` (d) and `dart_double_final_
 with `midlayer.` renamed `layers.0.` (so `layers.0.mask_rep`), d2t kept when the draft vocabulary is
 smaller, plus `mask_hidden` (zeros, 3·H_target: vLLM's parallel drafting requires the tensor; DART
 does not use it). `vllm_speculative_config.json` adds `"parallel_drafting": true`; k defaults to d.
+
+Step-back (`draft_max_batch` B, `--draft-max-batch`): vLLM 0.32's dynamic speculative decoding
+(`num_speculative_tokens_per_batch_size`, inclusive batch-size ranges from 1; the scheduler looks up k
+from the number of requests it schedules in a step) with `[[1, B, k], [B + 1, 2**20, 0]]`: draft k
+tokens while at most B requests run together, none above (big CPU batches verify drafts at a loss).
+With parallel drafting the draft slots per request are fixed at k when the engine starts, so only 0 and
+k are safe there (0 still runs the draft forward, which keeps the draft KV cache in sync).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from dart_infer.common.errors import InputError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FORMATS", "ExportResult", "export_head", "head_kind", "speculative_config"]
+__all__ = ["FORMATS", "ExportResult", "draft_schedule", "export_head", "head_kind", "speculative_config"]
 
 FORMATS = ("vllm", "sglang")
 SPEC_CONFIG_FILE = "vllm_speculative_config.json"
@@ -64,6 +71,12 @@ DEFAULT_SPECULATIVE_TOKENS = 3
 # them at the top level or drops them).
 _EAGLE3_TOP_LEVEL = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
                      "norm_before_residual")
+# --draft-max-batch: "all" drafts at every batch size (no schedule); "auto" is DART_CPU_DRAFT_MAX_BATCH
+# for a DART head exported on a machine without a CUDA GPU, "all" otherwise.
+DRAFT_ALWAYS, DRAFT_AUTO = "all", "auto"
+DART_CPU_DRAFT_MAX_BATCH = 4  # measured with scripts/bench_vllm_concurrency.py (docs/vllm.md)
+# The last range's end: any bound works, vLLM builds its lookup only up to max_num_seqs.
+_BATCH_BOUND = 1 << 20
 _OURS_ONLY = ("ttt_length", "architectures", "transformers_version", "base_model", "_name_or_path",
               "double_final_norm")
 
@@ -89,13 +102,48 @@ def head_kind(config: dict[str, Any]) -> str:
     return "unknown"
 
 
-def speculative_config(out_dir: Path, num_speculative_tokens: int, parallel_drafting: bool = False) -> dict[str, Any]:
+def draft_schedule(draft_max_batch: int, num_speculative_tokens: int) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` for "draft k tokens at up to B concurrent requests,
+    none above" (module docstring)."""
+    return [[1, draft_max_batch, num_speculative_tokens], [draft_max_batch + 1, _BATCH_BOUND, 0]]
+
+
+def _check_draft_max_batch(value: int | str) -> int | str:
+    """B as an int >= 1, or "all" / "auto"; anything else is one line."""
+    text = str(value).strip().lower()
+    if text in (DRAFT_ALWAYS, DRAFT_AUTO):
+        return text
+    if not isinstance(value, bool) and text.isdigit() and 1 <= int(text) < _BATCH_BOUND:
+        return int(text)
+    raise InputError(f"--draft-max-batch {value}: expected a number of concurrent requests 1..{_BATCH_BOUND - 1} "
+                     f"(draft at up to that many, none above), '{DRAFT_ALWAYS}' (always draft) or '{DRAFT_AUTO}'")
+
+
+def _resolve_draft_max_batch(value: int | str, kind: str) -> int | None:
+    """The B to write (None: no schedule). auto: the CPU-measured B for DART heads exported where no CUDA
+    GPU is visible (a GPU verifies a batch's drafts far more cheaply: not measured here, so no limit)."""
+    if value == DRAFT_ALWAYS:
+        return None
+    if value == DRAFT_AUTO:
+        if kind != "dart":
+            return None
+        import torch
+
+        return None if torch.cuda.is_available() else DART_CPU_DRAFT_MAX_BATCH
+    return int(value)
+
+
+def speculative_config(out_dir: Path, num_speculative_tokens: int, parallel_drafting: bool = False,
+                       draft_max_batch: int | None = None) -> dict[str, Any]:
     """The dict vLLM takes as `speculative_config` for an exported head (DART: `parallel_drafting`,
-    all k tokens from one forward; vLLM runs it on its EAGLE-3 path)."""
+    all k tokens from one forward; vLLM runs it on its EAGLE-3 path); with `draft_max_batch` B, vLLM
+    drafts only while at most B requests are scheduled together (`draft_schedule`)."""
     spec: dict[str, Any] = {"model": str(out_dir.resolve()), "method": EAGLE3_METHOD,
                             "num_speculative_tokens": num_speculative_tokens}
     if parallel_drafting:
         spec["parallel_drafting"] = True
+    if draft_max_batch is not None:
+        spec["num_speculative_tokens_per_batch_size"] = draft_schedule(draft_max_batch, num_speculative_tokens)
     return spec
 
 
@@ -289,10 +337,13 @@ def export_head(
     *,
     target: str | None = None,
     num_speculative_tokens: int | None = None,
+    draft_max_batch: int | str = DRAFT_AUTO,
 ) -> ExportResult:
-    """Write `head` (a directory or embedded head name) for `fmt` into the new directory `out`."""
+    """Write `head` (a directory or embedded head name) for `fmt` into the new directory `out`;
+    `draft_max_batch`: B (draft at up to B concurrent requests), "all" or "auto" (module docstring)."""
     if fmt not in FORMATS:
         raise InputError(f"--format {fmt}: unknown; one of {', '.join(FORMATS)}")
+    draft_max_batch = _check_draft_max_batch(draft_max_batch)
     if num_speculative_tokens is not None and num_speculative_tokens < 1:
         raise InputError(f"--num-speculative-tokens {num_speculative_tokens}: must be >= 1")
     out_dir = Path(out).expanduser().resolve()
@@ -307,18 +358,20 @@ def export_head(
         raise InputError(f"head={head}: {head_dir / 'config.json'} is not a DART or EAGLE-3 head we can read "
                          "(architectures must be DartDraftModel or LlamaForCausalLMEagle3)")
     verifier = _verifier(head_dir, raw, target)  # before the slow part: a missing target fails first
+    max_batch = _resolve_draft_max_batch(draft_max_batch, kind)
     if kind == "dart":
         out_config, tensors, tokens = _dart_vllm_files(head_dir, verifier, num_speculative_tokens)
-        spec = speculative_config(out_dir, tokens, parallel_drafting=True)
+        spec = speculative_config(out_dir, tokens, parallel_drafting=True, draft_max_batch=max_batch)
     else:
-        out_config, tensors, spec = _eagle3_files(head, head_dir, out_dir, fmt, verifier, num_speculative_tokens)
+        out_config, tensors, spec = _eagle3_files(head, head_dir, out_dir, fmt, verifier, num_speculative_tokens,
+                                                  max_batch)
     _write(out_dir, out_config, tensors, spec)
     log.info("exported %s head %s (%s) to %s", kind, head_dir, fmt, out_dir)
     return ExportResult(out_dir, fmt, kind, spec, verifier)
 
 
 def _eagle3_files(head: str, head_dir: Path, out_dir: Path, fmt: str, verifier: str,
-                  num_speculative_tokens: int | None) -> tuple[dict, dict, dict]:
+                  num_speculative_tokens: int | None, draft_max_batch: int | None) -> tuple[dict, dict, dict]:
     """(config.json, tensors, speculative config) of an EAGLE-3 head in `fmt`."""
     config, state = _load_eagle3(head_dir)
     ids = config.get("eagle_aux_hidden_state_layer_ids")
@@ -332,7 +385,7 @@ def _eagle3_files(head: str, head_dir: Path, out_dir: Path, fmt: str, verifier: 
         out_config, tensors = _vllm_files(config, state, tokens, verifier)
     else:
         out_config, tensors = _sglang_files(config, state, verifier)
-    return out_config, tensors, speculative_config(out_dir, tokens)
+    return out_config, tensors, speculative_config(out_dir, tokens, draft_max_batch=draft_max_batch)
 
 
 def _write(out_dir: Path, out_config: dict[str, Any], tensors: dict[str, Any], spec: dict[str, Any]) -> None:
