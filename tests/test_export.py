@@ -168,6 +168,9 @@ def test_bad_input_is_refused_in_one_line(fitted, tmp_path: Path, capsys) -> Non
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     assert "invalid choice" in refusal(capsys, [str(head_dir), "--out", str(tmp_path / "o"), "--format", "trt"])
     assert "--target" in refusal(capsys, [str(head_dir), "--out", str(tmp_path / "o")])  # no run config.yaml
+    line = refusal(capsys, [str(head_dir), "--out", str(tmp_path / "o"), "--target", str(tmp_path),
+                            "--ngram-model", "auto"])
+    assert "--ngram-model" in line and "EAGLE-3" in line
     for bad in ("0", "four", "-3"):
         line = refusal(capsys, [str(head_dir), "--out", str(tmp_path / "o"), "--draft-max-batch", bad])
         assert f"--draft-max-batch {bad}" in line and "'all'" in line

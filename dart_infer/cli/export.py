@@ -4,6 +4,7 @@
     dart-export runs/my-eagle3/head --out exports/my-eagle3            # EAGLE-3: vLLM (speculators format)
     dart-export runs/my-eagle3/head --out exports/my-eagle3-sgl --format sglang
     dart-export runs/my-head/head --out exports/my-head --draft-max-batch 8   # draft at <= 8 concurrent requests
+    dart-export runs/my-head/head --out exports/my-head --ngram-model runs/ngram/sharegpt/full.ngt  # trie chain
     vllm serve <target> --speculative-config "$(cat exports/my-head/vllm_speculative_config.json)"
 
 Bad input (unknown head, a DART head for SGLang, an existing non-empty --out, a bad option) is one
@@ -51,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
                         f"num_speculative_tokens_per_batch_size); '{DRAFT_ALWAYS}': at every batch size; "
                         f"'{DRAFT_AUTO}' (default): {DART_CPU_DRAFT_MAX_BATCH} for a DART head exported without a "
                         f"CUDA GPU (measured on CPUs, docs/vllm.md), '{DRAFT_ALWAYS}' otherwise")
+    p.add_argument("--ngram-model", default=None, metavar="TRIE",
+                   help="a DART head's trie (a dart-ngram file, or 'auto': the default one if built): the plugin then "
+                        "drafts the trie-chosen chain (the n-gram-enforced beam search's best path) instead of "
+                        "each row's argmax; the export records the trie's path, it does not copy it")
     return p
 
 
@@ -65,11 +70,14 @@ def main(argv: list[str] | None = None) -> None:
 
         result = export_head(args.head, args.out, args.format, target=args.target,
                              num_speculative_tokens=args.num_speculative_tokens,
-                             draft_max_batch=args.draft_max_batch)
+                             draft_max_batch=args.draft_max_batch, ngram_model=args.ngram_model)
     except (Exception, KeyboardInterrupt) as err:
         sys.exit(report(err, COMMAND))
     print(f"{COMMAND}: wrote the {result.kind} head ({result.format}) to {result.out_dir}")
     print(f"  target: {result.verifier}")
+    if result.kind == "dart":
+        print(f"  drafts: the trie-chosen chain (trie {result.chain['ngram_model']})" if result.chain
+              else "  drafts: the argmax chain (--ngram-model adds the trie-chosen one)")
     schedule = result.speculative_config.get("num_speculative_tokens_per_batch_size")
     if schedule:
         print(f"  drafts at up to {schedule[0][1]} concurrent requests, none above (--draft-max-batch)")

@@ -30,15 +30,8 @@ checked against vLLM 0.32's own loader (`transformers_utils/configs/speculators/
   keeps vLLM's meaning: vLLM reads it before `eagle_config`, SGLang reads `eagle_config` first, so
   the same directory serves correctly in both.
 
-DART heads (`--format vllm` only): the layout `dart_infer.engines.vllm.plugin` loads. config.json is a
-one-layer Llama config with `architectures: [DartDraftModelEagle3]` (the plugin's registered name),
-`draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (our `aux_layer_ids`,
-ascending: vLLM concatenates the captured layers in layer order, so fc's column blocks follow),
-`norm_before_residual: false`, `mask_token_id` = vocab_size (the plugin finds vLLM's mask slots by
-that id, which no real token has), `dart_draft_rows` (d) and `dart_double_final_norm`. Weights: ours
-with `midlayer.` renamed `layers.0.` (so `layers.0.mask_rep`), d2t kept when the draft vocabulary is
-smaller, plus `mask_hidden` (zeros, 3·H_target: vLLM's parallel drafting requires the tensor; DART
-does not use it). `vllm_speculative_config.json` adds `"parallel_drafting": true`; k defaults to d.
+DART heads (`--format vllm` only): the layout `dart_infer.engines.vllm.plugin` loads, written by
+`dart_infer.engines.dart_export` (its docstring says what the files hold).
 
 Step-back (`draft_max_batch` B, `--draft-max-batch`): vLLM 0.32's dynamic speculative decoding
 (`num_speculative_tokens_per_batch_size`, inclusive batch-size ranges from 1; the scheduler looks up k
@@ -88,6 +81,7 @@ class ExportResult:
     kind: str
     speculative_config: dict[str, Any]
     verifier: str
+    chain: dict[str, Any] | None = None  # a DART export's trie-chosen chain (config.json's dart_chain)
 
 
 def head_kind(config: dict[str, Any]) -> str:
@@ -260,76 +254,6 @@ def _sglang_files(config: dict[str, Any], state: dict[str, Any], verifier: str) 
     return out_config, tensors
 
 
-# Keys of a DART head's config that the exported Llama layer config does not carry (they are renamed or
-# replaced below; the file's `draft_length` counts masks, the authors' meaning).
-_DART_ONLY = ("draft_length", "aux_layer_ids", "double_final_norm", "architectures", "transformers_version",
-              "base_model", "_name_or_path", "dtype", "torch_dtype")
-
-
-def _target_num_layers(verifier: str) -> int | None:
-    config = Path(verifier) / "config.json"
-    if not config.is_file():
-        return None
-    data = json.loads(config.read_text())
-    data = data.get("text_config") or data
-    return data.get("num_hidden_layers")
-
-
-def _dart_vllm_files(head_dir: Path, verifier: str, tokens: int | None) -> tuple[dict, dict, int]:
-    """(config.json, tensors, k) of a DART head for `dart_infer.engines.vllm.plugin` (module docstring)."""
-    import torch
-
-    from dart_infer.engines.vllm.plugin import ARCHITECTURE
-    from dart_infer.methods.dart.model import CHECKPOINT_KEYS
-    from dart_infer.methods.loading import load_draft_model
-    from dart_infer.target.adapter import aux_layer_ids as default_aux_layer_ids
-
-    try:
-        model = load_draft_model(str(head_dir))
-    except (ValueError, FileNotFoundError) as err:
-        raise InputError(f"head={head_dir}: {err}") from err
-    config = model.config
-    rows = int(config.draft_length)  # d: the last prefix position + d - 1 masks
-    if tokens is not None and not 1 <= tokens <= rows:
-        raise InputError(f"--num-speculative-tokens {tokens}: a DART head drafts at most its {rows} rows "
-                         f"(draft_length) in one forward; choose 1..{rows}")
-    ids = config.aux_layer_ids
-    if ids is None:
-        layers = _target_num_layers(verifier)
-        if layers is None:
-            raise InputError(f"head={head_dir}: no aux_layer_ids in its config and no readable config.json at "
-                             f"the target {verifier} to derive them from; pass --target <local model dir>")
-        ids = default_aux_layer_ids(int(layers))
-    ids = [int(i) for i in ids]
-    if len(set(ids)) != len(ids):
-        raise InputError(f"head={head_dir}: its aux layer ids {ids} repeat a layer, which vLLM captures only once "
-                         "(fc would get fewer than 3 states); a target with 7 or more layers avoids it")
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k in CHECKPOINT_KEYS}
-    # vLLM concatenates the captured layers in layer order: fc's column blocks must follow it.
-    order = sorted(range(len(ids)), key=lambda i: ids[i])
-    width = int(config.target_hidden_size)
-    state["fc.weight"] = torch.cat([state["fc.weight"][:, i * width:(i + 1) * width] for i in order], dim=1)
-    ids = [ids[i] for i in order]
-    dtype = state["fc.weight"].dtype
-    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
-    if config.draft_vocab_size == config.vocab_size:
-        if bool(tensors["d2t"].any()):  # vLLM has no mapping for a full draft vocabulary
-            raise InputError(f"head={head_dir}: its draft vocabulary is the full vocabulary but reordered (d2t "
-                             "is not zero), which vLLM cannot map")
-        del tensors["d2t"]
-    tensors["mask_hidden"] = torch.zeros(3 * width, dtype=dtype)
-    out_config = {k: v for k, v in config.to_diff_dict().items() if k not in _DART_ONLY}
-    out_config.update(
-        architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
-        draft_vocab_size=int(config.draft_vocab_size), target_hidden_size=width,
-        eagle_aux_hidden_state_layer_ids=ids, norm_before_residual=False,
-        mask_token_id=int(config.vocab_size), dart_draft_rows=rows,
-        dart_double_final_norm=bool(config.double_final_norm), base_model=verifier,
-        torch_dtype=str(dtype).removeprefix("torch."),
-    )
-    return out_config, tensors, tokens or rows
-
-
 def export_head(
     head: str,
     out: str | Path,
@@ -338,9 +262,11 @@ def export_head(
     target: str | None = None,
     num_speculative_tokens: int | None = None,
     draft_max_batch: int | str = DRAFT_AUTO,
+    ngram_model: str | None = None,
 ) -> ExportResult:
     """Write `head` (a directory or embedded head name) for `fmt` into the new directory `out`;
-    `draft_max_batch`: B (draft at up to B concurrent requests), "all" or "auto" (module docstring)."""
+    `draft_max_batch`: B (draft at up to B concurrent requests), "all" or "auto" (module docstring);
+    `ngram_model`: a trie (or "auto") the plugin's chain search uses (DART heads, `dart_export`)."""
     if fmt not in FORMATS:
         raise InputError(f"--format {fmt}: unknown; one of {', '.join(FORMATS)}")
     draft_max_batch = _check_draft_max_batch(draft_max_batch)
@@ -357,17 +283,27 @@ def export_head(
     if kind not in ("eagle3", "dart"):
         raise InputError(f"head={head}: {head_dir / 'config.json'} is not a DART or EAGLE-3 head we can read "
                          "(architectures must be DartDraftModel or LlamaForCausalLMEagle3)")
+    if ngram_model is not None and kind != "dart":
+        raise InputError(f"--ngram-model: only a DART head's plugin searches a trie; {head} is an EAGLE-3 head "
+                         "(vLLM drafts its chain itself): leave --ngram-model out")
     verifier = _verifier(head_dir, raw, target)  # before the slow part: a missing target fails first
     max_batch = _resolve_draft_max_batch(draft_max_batch, kind)
+    chain = None
     if kind == "dart":
-        out_config, tensors, tokens = _dart_vllm_files(head_dir, verifier, num_speculative_tokens)
+        from dart_infer.engines.dart_export import chain_config, dart_vllm_files
+        from dart_infer.engines.vllm.plugin import CHAIN_CONFIG_KEY
+
+        chain = chain_config(ngram_model, verifier) if ngram_model is not None else None
+        out_config, tensors, tokens = dart_vllm_files(head_dir, verifier, num_speculative_tokens)
+        if chain is not None:
+            out_config[CHAIN_CONFIG_KEY] = chain
         spec = speculative_config(out_dir, tokens, parallel_drafting=True, draft_max_batch=max_batch)
     else:
         out_config, tensors, spec = _eagle3_files(head, head_dir, out_dir, fmt, verifier, num_speculative_tokens,
                                                   max_batch)
     _write(out_dir, out_config, tensors, spec)
     log.info("exported %s head %s (%s) to %s", kind, head_dir, fmt, out_dir)
-    return ExportResult(out_dir, fmt, kind, spec, verifier)
+    return ExportResult(out_dir, fmt, kind, spec, verifier, chain)
 
 
 def _eagle3_files(head: str, head_dir: Path, out_dir: Path, fmt: str, verifier: str,

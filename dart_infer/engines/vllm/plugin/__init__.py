@@ -17,11 +17,13 @@ does not import it either, and the vLLM venv has other pins than ours (docs/vllm
 
 from __future__ import annotations
 
-__all__ = ["ARCHITECTURE", "MODEL_CLASS", "register"]
+__all__ = ["ARCHITECTURE", "CHAIN_CONFIG_KEY", "MODEL_CLASS", "register"]
 
 # The name in an exported head's config.json. vLLM's EAGLE-3 config wrapper keeps an architecture
 # name as it is only when it starts or ends with "Eagle3" (otherwise it prefixes "Eagle3").
 ARCHITECTURE = "DartDraftModelEagle3"
+# The export's config.json key of the trie-chosen chain (`dart_infer.engines.dart_export`; read by `chain`).
+CHAIN_CONFIG_KEY = "dart_chain"
 # Lazy "<module>:<class>": vLLM imports it only in the processes that build the model.
 MODEL_CLASS = "dart_infer.engines.vllm.plugin.model:DartDraftModelEagle3"
 

@@ -14,12 +14,17 @@ other step is `DartDraftModel.decode` on vLLM's layers: attention over the draft
 positions of earlier steps, as our `DraftKVCache`), o_proj + residual, post-attention norm, MLP +
 residual, final norm (twice for the authors' heads), `lm_head` over the draft vocabulary, d2t.
 
+With a trie in the export (`dart-export --ngram-model`), `compute_logits` returns the trie-chosen
+chain as point-mass logits (`dart_infer.engines.vllm.plugin.chain`); the forward keeps its input ids,
+where each chain's root is.
+
 Built on vLLM's EAGLE-3 Llama classes because the proposer accepts only those (it checks the
 class) and for their weight loading, `fc`, `lm_head` and d2t handling; `forward` is ours.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -31,8 +36,11 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.model_executor.models.llama_eagle3 import LlamaModel as Eagle3LlamaModel
 from vllm.model_executor.models.utils import get_draft_quant_config, maybe_prefix
 
-from dart_infer.engines.vllm.plugin import ARCHITECTURE
+from dart_infer.engines.vllm.plugin import ARCHITECTURE, CHAIN_CONFIG_KEY
+from dart_infer.engines.vllm.plugin.chain import chain_drafter, roots_from_input_ids
 
+# Under vLLM's "vllm" logger, so its handler prints our lines with its own (INFO and up).
+LOG = logging.getLogger("vllm.dart_plugin")
 MASK_REP = "layers.0.mask_rep"  # the exported name of DART's mask_rep (ours: midlayer.mask_rep)
 
 
@@ -89,6 +97,7 @@ class DartDraftModelEagle3(Eagle3LlamaForCausalLM):
         assert spec is not None
         self.config = config = spec.draft_model_config.hf_config
         _check_config(config, spec)
+        self.num_draft_rows = int(spec.num_speculative_tokens)  # k sampled rows per request
         target_layers = vllm_config.model_config.get_total_num_hidden_layers()
         config.target_layer_count = target_layers
         self.model = DartLlamaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
@@ -105,6 +114,28 @@ class DartDraftModelEagle3(Eagle3LlamaForCausalLM):
         self.use_parallel_drafting = True
         # vLLM fills the mask slots' hidden state with fc(mask_hidden); DART ignores it (forward).
         self.register_buffer("mask_hidden", torch.zeros(1, self.model.fc_input_size), persistent=False)
+        from vllm import __version__ as vllm_version
+
+        self.chain = chain_drafter(config, CHAIN_CONFIG_KEY, vllm_version, LOG)
+        self._input_ids: torch.Tensor | None = None  # the last draft forward's (the chains' roots)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._input_ids = input_ids
+        return self.model(input_ids, positions, hidden_states, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden_states)
+        k = self.num_draft_rows
+        if self.chain is None or logits is None or k < 2 or self._input_ids is None:
+            return logits
+        roots = roots_from_input_ids(self._input_ids, self.model.mask_token_id, logits.shape[0] // k)
+        return self.chain.point_mass_logits(logits, roots)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         seen: set[str] = set()
