@@ -204,9 +204,9 @@ def load_eagle3(cfg: DictConfig, model: Any) -> Any:
     return model.with_head(head, tree=tree)
 
 
-def start_vllm(cfg: DictConfig, scratch: Path) -> dict[str, Any]:
+def start_vllm(cfg: DictConfig, scratch: Path, trie: str | None = None) -> dict[str, Any]:
     """The engines of the vLLM methods in `cfg.methods` (`dart_infer.engines.vllm.runner.start_engines`), in
-    `model.dtype`; exported heads go into `scratch`."""
+    `model.dtype`; exported heads go into `scratch`; `trie`: the resolved ngram_model (vllm_dart_trie)."""
     from dart_infer.engines.vllm.runner import start_engines
 
     wanted = [str(m) for m in cfg.methods if str(m).startswith("vllm")]
@@ -216,7 +216,7 @@ def start_vllm(cfg: DictConfig, scratch: Path) -> dict[str, Any]:
         wanted, resolve_model(cfg.model.name_or_path), dtype_name(_dtypes(cfg)[0]), scratch,
         draft_model=cfg.get("draft_model"), eagle3_model=cfg.get("eagle3_model"),
         ngram_tokens=int(cfg.prompt_lookup_num_tokens), eagle3_tokens=int(cfg.vllm_eagle3_tokens),
-        enforce_eager=bool(cfg.get("vllm_enforce_eager", False)),
+        enforce_eager=bool(cfg.get("vllm_enforce_eager", False)), trie=trie,
     )
 
 
@@ -270,7 +270,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
         print(f"resuming: {done} of {len(units)} measurements already in {store.path}", flush=True)
     torch.manual_seed(cfg.seed)
     scratch = Path(tempfile.mkdtemp(prefix="dart-eval-"))
-    vllm = start_vllm(cfg, scratch)  # first: a missing vLLM venv or a bad export fails before our models load
+    vllm = start_vllm(cfg, scratch, trie)  # first: a missing vLLM venv or a bad export fails before our models load
     model, plain_models = load_models(cfg, trie)
     eagle3 = load_eagle3(cfg, model)
     if cfg.compile:

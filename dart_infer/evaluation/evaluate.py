@@ -55,7 +55,7 @@ METHODS = ("ar", "hf_generate", "prompt_lookup", "dart", "dart_no_trie")
 EXTRA_METHODS = ("eagle3", *VLLM_METHODS)
 PLAIN = ("ar", "hf_generate", "vllm")  # plain decoding: the speedup baselines
 RECAST = ("ar", "hf_generate")  # the plain methods also timed in every dtype of `plain_models`
-SPECULATIVE = ("dart", "dart_no_trie", "eagle3", "vllm_ngram", "vllm_dart", "vllm_eagle3")
+SPECULATIVE = ("dart", "dart_no_trie", "eagle3", "vllm_ngram", "vllm_dart", "vllm_dart_trie", "vllm_eagle3")
 PHASES = ("prefill", "draft", "search", "verify", "bookkeeping")
 _SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 

@@ -20,8 +20,9 @@ __all__ = ["VLLM_METHODS", "VllmRunner", "start_engines", "vllm_env_script"]
 
 _WORKER = Path(__file__).with_name("worker.py")
 # dart-eval's vLLM methods (`start_engines`): plain decoding, its prompt lookup, the DART head through
-# our plugin (a chain, no trie; `dart_infer.engines.vllm.plugin`) and an EAGLE-3 head through vLLM's drafter.
-VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_dart", "vllm_eagle3")
+# our plugin (`dart_infer.engines.vllm.plugin`: the argmax chain, or the trie-chosen chain) and an EAGLE-3
+# head through vLLM's drafter.
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_dart", "vllm_dart_trie", "vllm_eagle3")
 
 
 def vllm_env_script() -> Path:
@@ -97,11 +98,13 @@ class VllmRunner:
 def start_engines(
     methods: list[str], target: str | Path, dtype: str, scratch: Path, *, draft_model: str | None = None,
     eagle3_model: str | None = None, ngram_tokens: int = 10, eagle3_tokens: int = 3, enforce_eager: bool = False,
+    trie: str | None = None,
 ) -> dict[str, VllmRunner]:
     """One engine per vLLM method of dart-eval, on `target` in `dtype`:
     - `vllm`: plain decoding;
     - `vllm_ngram`: vLLM's prompt lookup (`ngram_tokens` tokens, vLLM's default n-gram sizes);
-    - `vllm_dart`: the DART head `draft_model` exported into `scratch` for our plugin (a chain of d);
+    - `vllm_dart`: the DART head `draft_model` exported into `scratch` for our plugin (the argmax chain of d);
+    - `vllm_dart_trie`: the same exported with `trie` (the eval's ngram_model): the trie-chosen chain;
     - `vllm_eagle3`: the EAGLE-3 head `eagle3_model` exported for vLLM's EAGLE-3 drafter (a chain of
       `eagle3_tokens`).
     Heads are checked and exported before any engine starts; a failed start closes the others."""
@@ -110,6 +113,9 @@ def start_engines(
     unknown = [m for m in methods if m not in VLLM_METHODS]
     if unknown:
         raise InputError(f"methods: {unknown} are not vLLM methods ({', '.join(VLLM_METHODS)})")
+    if "vllm_dart_trie" in methods and not trie:
+        raise InputError("methods: 'vllm_dart_trie' needs a trie (ngram_model=<file>, or auto with the default "
+                         "trie built by dart-ngram)")
     if "vllm_eagle3" in methods and not eagle3_model:
         raise InputError("methods: 'vllm_eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
     configs: dict[str, dict[str, Any] | None] = {}
@@ -126,7 +132,8 @@ def start_engines(
                                  "(dart-train draft=eagle3 trains one)")
             configs[method] = export.speculative_config
         else:
-            configs[method] = export_head(str(draft_model), scratch / "vllm-dart-head", target=str(target)).speculative_config
+            configs[method] = export_head(str(draft_model), scratch / method, target=str(target),
+                                          ngram_model=trie if method == "vllm_dart_trie" else None).speculative_config
     # vLLM refuses a context longer than the target's positions; 4096 covers every benchmark prompt.
     positions = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 4096
     engines: dict[str, VllmRunner] = {}
