@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -144,14 +145,19 @@ class Oracle:
         return per_position, steps
 
 
+def recorded_contexts(oracle: Oracle, records: list[dict]) -> Iterator[tuple[int, dict]]:
+    """(t, record) for each recorded draft inside the oracle's sequence; its bonus token must be ours."""
+    for record in records:
+        t = record["position"]
+        if t + 2 <= len(oracle.seq):
+            assert record["bonus"] == oracle.seq[t + 1], record
+            yield t, record
+
+
 def compare_drafts(oracle: Oracle, records: list[dict]) -> tuple[int, int]:
     """Assert every draft vLLM recorded equals ours at the same context; (rows compared, rows skipped)."""
     compared = skipped = 0
-    for record in records:
-        t = record["position"]
-        if t + 2 > len(oracle.seq):
-            continue
-        assert record["bonus"] == oracle.seq[t + 1], record
+    for t, record in recorded_contexts(oracle, records):
         ours, margins = oracle.drafts(t, len(record["tokens"]))
         for j, (theirs, mine, margin) in enumerate(zip(record["tokens"], ours, margins, strict=True)):
             if margin < MARGIN:
@@ -293,11 +299,7 @@ def reference_trie(sequences: list[list[int]], tokenizer, path: Path) -> Path:
 def compare_chains(oracle: Oracle, records: list[dict], trie, settings, eos: int | None) -> tuple[int, int]:
     """(drafts equal to our loop's trie chain at the same context, drafts compared)."""
     same = compared = 0
-    for record in records:
-        t = record["position"]
-        if t + 2 > len(oracle.seq):
-            continue
-        assert record["bonus"] == oracle.seq[t + 1], record
+    for t, record in recorded_contexts(oracle, records):
         same += record["tokens"] == oracle.trie_chain(t, len(record["tokens"]), trie, settings, eos)
         compared += 1
     return same, compared

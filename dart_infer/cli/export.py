@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> None:
               else "  drafts: the argmax chain (--ngram-model adds the trie-chosen one)")
     schedule = result.speculative_config.get("num_speculative_tokens_per_batch_size")
     if schedule:
-        print(f"  drafts at up to {schedule[0][1]} concurrent requests, none above (--draft-max-batch)")
+        most = schedule[0][1]
+        print(f"  drafts while at most {most} request{'s run' if most > 1 else ' runs'} at a time, none above "
+              "(--draft-max-batch)")
     # vLLM's --speculative-config takes the JSON text, not a file name.
     print(f"  vllm serve {result.verifier} --speculative-config \"$(cat {result.out_dir / SPEC_CONFIG_FILE})\"")
 

@@ -67,7 +67,9 @@ _EAGLE3_TOP_LEVEL = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden
 # --draft-max-batch: "all" drafts at every batch size (no schedule); "auto" is DART_CPU_DRAFT_MAX_BATCH
 # for a DART head exported on a machine without a CUDA GPU, "all" otherwise.
 DRAFT_ALWAYS, DRAFT_AUTO = "all", "auto"
-DART_CPU_DRAFT_MAX_BATCH = 4  # measured with scripts/bench_vllm_concurrency.py (docs/vllm.md)
+# Measured (scripts/bench_vllm_concurrency.py, docs/vllm.md "Serving under load"; 2-core Xeon, fp32):
+# vLLM + the shipped head was 0.93-1.00x plain alone, 0.84-0.89x at 2 requests, 0.69-0.72x at 4.
+DART_CPU_DRAFT_MAX_BATCH = 1
 # The last range's end: any bound works, vLLM builds its lookup only up to max_num_seqs.
 _BATCH_BOUND = 1 << 20
 _OURS_ONLY = ("ttt_length", "architectures", "transformers_version", "base_model", "_name_or_path",
