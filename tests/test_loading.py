@@ -1,9 +1,12 @@
-"""One EOS set for serving and regeneration: the generation config's ids, then the tokenizer's EOS."""
+"""Loading: one EOS set for serving and regeneration (the generation config's ids, then the tokenizer's EOS),
+and `DartModel.from_pretrained`'s dtype."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+import torch
 from transformers import GenerationConfig, LlamaConfig
 
 from dart_infer.data.loaders import eos_token_ids
@@ -76,3 +79,15 @@ def test_regenerate_stops_at_the_serving_eos_set(monkeypatch, tmp_path) -> None:
     assert seen["eos"] == list(eos_token_ids(Model(), Tokenizer())) == [END_OF_TEXT, EOT]
     assert stats.answers == 1 and stats.truncated_answers == 0  # 128009 ended the answer
 
+
+
+def test_from_pretrained_takes_dtype_auto_as_the_machine_measured_one(tiny_checkpoint) -> None:
+    """dtype="auto" is dart-eval's model.dtype=auto: bfloat16 where it measures faster here, else float32."""
+    from dart_infer import DartModel
+    from dart_infer.common.dtypes import bf16_is_faster
+
+    model = DartModel.from_pretrained(str(tiny_checkpoint), None, dtype="auto")
+    expected = torch.bfloat16 if bf16_is_faster("cpu") else torch.float32
+    assert {p.dtype for p in model.base_model.parameters()} == {expected}
+    with pytest.raises(ValueError, match="unknown dtype"):
+        DartModel.from_pretrained(str(tiny_checkpoint), None, dtype="fp33")

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dart_infer.common.dtypes import as_dtype, bf16_is_faster, cast_parameters
+from dart_infer.common.dtypes import as_dtype, bf16_is_faster, cast_parameters, resolve_dtype
 from dart_infer.data.loaders import check_trie_matches_tokenizer, eos_token_ids, load_tokenizer, load_trie
 from dart_infer.decoding.loop import decode_steps
 from dart_infer.decoding.sampling import (
@@ -168,8 +168,9 @@ class DartModel(nn.Module):
     ) -> DartModel:
         """Load base model, tokenizer, head and trie. The head is any draft method's (its config.json
         says which: `dart_infer.methods.load_head`); None loads no head (plain decoding only). `dtype`
-        (a torch dtype or a name: "float32", "bfloat16", ...) is the serving dtype of target and head
-        (default: the loader's); other kwargs such as `device_map` go to the base model's loader.
+        (a torch dtype, a name: "float32", "bfloat16", ..., or "auto": bfloat16 where it measures
+        faster on this machine, else float32, as dart-eval's `model.dtype=auto`) is the serving dtype
+        of target and head (default: the loader's); other kwargs such as `device_map` go to the base model's loader.
         `tree`: the method's settings or field overrides of its default for the device the model
         lands on (None: that default; for DART e.g. the CPU trees on a CPU, the paper's 60-node tree on
         a GPU). Names go through `dart_infer.data.assets.resolve_model`, so the embedded
@@ -188,7 +189,7 @@ class DartModel(nn.Module):
         if dtype is not None:
             if "torch_dtype" in kwargs:
                 raise TypeError("give the dtype once: dtype= or torch_dtype=, not both")
-            kwargs["dtype"] = as_dtype(dtype)
+            kwargs["dtype"] = resolve_dtype(dtype)  # "auto": bfloat16 where it measures faster here
         kwargs.setdefault("attn_implementation", "sdpa")
         base_model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
         draft = None
