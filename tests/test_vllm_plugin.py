@@ -312,7 +312,7 @@ def test_vllm_drafts_our_loops_trie_chain_losslessly(fitted_dart, vllm_target_di
     """The export with a trie (--ngram-model): inside vLLM the plugin proposes our loop's tree=chain search
     on the same rows (trie included), greedy output stays vLLM plain's = transformers', and vLLM's
     per-position counters are our chain decoding's with those drafts."""
-    from dart_infer.tree.settings import TreeSearchSettings
+    from dart_infer.engines.vllm.plugin.chain import chain_settings
     from ngram_builder import NgramTrie
 
     head_dir, prompts = fitted_dart
@@ -330,8 +330,7 @@ def test_vllm_drafts_our_loops_trie_chain_losslessly(fitted_dart, vllm_target_di
     assert check["spec"] == check["plain"] and check["identical"]
     assert check["plain"] == [r[len(p): len(p) + MAX_NEW] for p, r in zip(prompts, references, strict=True)]
     trie = NgramTrie.open(trie_path)
-    fields = {k: v for k, v in chain.items() if k not in ("ngram_model", "eos_token_id")}
-    settings = TreeSearchSettings(shape="chain", **{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    settings = chain_settings(chain)
     eos = chain["eos_token_id"]
     with one_thread():
         head = DartDraftModel.from_pretrained(head_dir, dtype=torch.float32).eval()

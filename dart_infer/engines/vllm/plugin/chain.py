@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED_VLLM", "ChainDrafter", "LayoutError", "chain_drafter", "roots_from_input_ids"]
+__all__ = ["SUPPORTED_VLLM", "ChainDrafter", "LayoutError", "chain_drafter", "chain_settings", "roots_from_input_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,20 @@ def roots_from_input_ids(input_ids: torch.Tensor, mask_token_id: int, requests: 
     return input_ids[starts - 1]
 
 
+def chain_settings(chain: Mapping[str, Any]) -> Any:
+    """The `TreeSearchSettings(shape="chain")` of an export's `dart_chain` (JSON lists back to tuples)."""
+    from dart_infer.tree.settings import TreeSearchSettings
+
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in chain.items()
+              if k not in ("ngram_model", "eos_token_id")}
+    return TreeSearchSettings(shape="chain", **fields)
+
+
 class ChainDrafter:
     """The trie (memory-mapped, loaded once per worker) and the chain search's settings of an export's
     `dart_chain` (`dart_infer.engines.dart_export.chain_config`)."""
 
     def __init__(self, chain: Mapping[str, Any]) -> None:
-        from dart_infer.tree.settings import TreeSearchSettings
         from ngram_builder import NgramTrie
 
         self.path = str(chain["ngram_model"])
@@ -64,9 +72,7 @@ class ChainDrafter:
             raise ValueError(f"dart_chain: the trie {self.path} has order {self.trie.order}; inside vLLM the search "
                              f"sees only each chain's root, enough for order <= {MAX_TRIE_ORDER} (build one with "
                              "dart-ngram order=3)")
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in chain.items()
-                  if k not in ("ngram_model", "eos_token_id")}
-        self.settings = TreeSearchSettings(shape="chain", **fields)
+        self.settings = chain_settings(chain)
         if self.settings.ngram_on_first_level:
             raise ValueError("dart_chain: ngram_on_first_level needs the tokens before the root, which vLLM's draft "
                              "model does not see; export with it false")
