@@ -146,79 +146,19 @@ def profiled_split(fn: Callable[[], object], model: torch.nn.Module, repeats: in
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--chat-template", default=None,
-                        help="for a base model without one: gemma-turns | plain | a .jinja file (as model.chat_template)")
-    parser.add_argument("--head", default="dart-smollm2-135m-instruct",
-                        help="a DART head name or directory, or `random` (a random head of the demo's shape)")
-    parser.add_argument("--trie", default="auto", help="a trie file; auto: dart-eval's default trie when built "
-                        "and fitting the model (runs/ngram/sharegpt/full.ngt); none")
-    parser.add_argument("--tree", default="default", help="default: the device's serving tree for the dtype; "
-                        "nodes: the micro-benchmark's --nodes tree (top-8, beam 6)")
-    parser.add_argument("--floor-gib", type=float, default=1.0, help="GiB read to measure the memory bandwidth")
-    parser.add_argument("--dtype", default="bfloat16", help="a dtype name, or auto: bfloat16 where it measures faster, else float32")
-    parser.add_argument("--context", type=int, default=300, help="cached tokens for the micro-benchmarks")
-    parser.add_argument("--nodes", type=int, default=13, help="tree nodes (root included) to verify")
-    parser.add_argument("--repeats", type=int, default=200, help="micro-benchmark calls (0: skip them)")
-    parser.add_argument("--prompts", type=int, default=2, help="generations per method (0: micro-benchmarks only)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--compile", action="store_true", help="decode through dart_infer.target.compiled (static "
-                        "cache, frozen inductor graphs); the forward's attention/MLP split is then not observable")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from dart_infer.common.dtypes import as_dtype, resolve_dtype_name
-
-    args.dtype = resolve_dtype_name(args.dtype)
-    dtype = as_dtype(args.dtype)
-
-    from transformers import AutoConfig
-
-    from dart_infer import DartDraftConfig, DartDraftModel, DartModel
-    from dart_infer.data.assets import resolve_model
-    from dart_infer.data.resolve import default_trie_path, model_vocabulary, resolve_trie
+def micro_benchmarks(model: object, context: int, args: argparse.Namespace, floor: float,
+                     dtype: torch.dtype) -> dict[str, float]:
+    """Part 1 at one context length (`context` random cached tokens): each piece's table row, then the
+    profiler's split of the AR step and the verification. Returns each piece's median seconds."""
     from dart_infer.methods.dart.model import DraftKVCache
 
-    tree = {"draft_top_k": 8, "beam_width": 6, "remain_total": args.nodes - 1} if args.tree == "nodes" else None
-    head = args.head
-    trie = resolve_trie(
-        args.trie, vocabulary=lambda: model_vocabulary(args.model, args.chat_template), default=default_trie_path(), key="--trie"
-    )
-    if trie.notice:
-        print(trie.notice)
-    trie = trie.path
-    if head == "random":  # a random head with the demo's shape (16k draft vocabulary, 8 rows)
-        import tempfile
-
-        torch.manual_seed(0)
-        config = DartDraftConfig.from_target_config(
-            AutoConfig.from_pretrained(resolve_model(args.model)), draft_length=8, draft_vocab_size=16384
-        )
-        head = tempfile.mkdtemp(prefix="bench_step_head_")
-        DartDraftModel(config).save_pretrained(head)
-    model = DartModel.from_pretrained(args.model, head, trie, dtype=dtype, tree=tree,
-                                      chat_template=args.chat_template)
-    if args.compile:
-        from dart_infer.decoding.compile import compile_decoding
-
-        compile_decoding(model, capacity=args.context + args.max_new_tokens + 64, plain=True)
     target, draft = model.target, model.draft_model
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
-    prompt = torch.randint(0, vocab, (1, args.context), generator=generator)
+    prompt = torch.randint(0, vocab, (1, context), generator=generator)
     aux, _, cache = target.prefill(prompt)
     past = cache.get_seq_length()
-    bandwidth = memory_bandwidth(args.floor_gib)
-    weights = weight_bytes(target.model)
-    floor = weights / bandwidth
-    print(f"{args.model} {args.dtype}{' compiled' if args.compile else ''}, {torch.get_num_threads()} thread(s), {past} cached tokens, "
-          f"{args.nodes}-node tree, {args.repeats} repeats; torch {torch.__version__}")
-    print(f"floor: {weights / 1e6:.0f} MB of weights per forward at {bandwidth / 1e9:.1f} GB/s read = "
-          f"{floor * 1e3:.2f} ms per forward (at most {1 / floor:.0f} plain tokens/s)\n")
-
+    print(f"\n{past} cached tokens:")
     n = args.nodes
     tokens = torch.randint(0, vocab, (n,), generator=generator)
     mask = torch.tril(torch.ones(n, n, dtype=torch.bool))  # a chain costs what any n-node tree costs
@@ -263,6 +203,7 @@ def main() -> None:
         draft.lm_head(rows)
 
     medians: dict[Callable[[], None], float] = {}
+    named: dict[str, float] = {}
     if args.repeats > 0:
         print("| piece | CPU ms (median) | wall ms (median) | wall ms (best) | × floor (median) |\n|---|---|---|---|---|")
     for name, fn, reps in (
@@ -274,6 +215,7 @@ def main() -> None:
     ) if args.repeats > 0 else ():
         median, best, cpu = timed(fn, reps)
         medians[fn] = median
+        named[name] = median
         print(f"| {name} | {cpu * 1e3:.2f} | {median * 1e3:.2f} | {best * 1e3:.2f} | {median / floor:.2f} |",
               flush=True)
     if args.repeats > 0:  # where a target forward's time goes (the profiler sees into compiled graphs too)
@@ -284,6 +226,97 @@ def main() -> None:
             print(f"| {name} | {part['wall'] * 1e3:.2f} | " + " | ".join(
                 f"{part.get(k, 0.0) * 1e3:.2f}" for k in (*ForwardSplit.KINDS, "unclassified linear", "rest"))
                 + f" | {part['wall'] / floor:.2f} |", flush=True)
+
+    return named
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--chat-template", default=None,
+                        help="for a base model without one: gemma-turns | plain | a .jinja file (as model.chat_template)")
+    parser.add_argument("--head", default="dart-smollm2-135m-instruct",
+                        help="a DART head name or directory, or `random` (a random head of the demo's shape)")
+    parser.add_argument("--trie", default="auto", help="a trie file; auto: dart-eval's default trie when built "
+                        "and fitting the model (runs/ngram/sharegpt/full.ngt); none")
+    parser.add_argument("--tree", default="default", help="default: the device's serving tree for the dtype; "
+                        "nodes: the micro-benchmark's --nodes tree (top-8, beam 6)")
+    parser.add_argument("--floor-gib", type=float, default=1.0, help="GiB read to measure the memory bandwidth")
+    parser.add_argument("--dtype", default="bfloat16", help="a dtype name, or auto: bfloat16 where it measures faster, else float32")
+    parser.add_argument("--context", type=int, nargs="+", default=[300],
+                        help="cached tokens for the micro-benchmarks; several (e.g. 100 1000 3000): one table each, "
+                        "then how each piece grows with the context")
+    parser.add_argument("--nodes", type=int, default=13, help="tree nodes (root included) to verify")
+    parser.add_argument("--repeats", type=int, default=200, help="micro-benchmark calls (0: skip them)")
+    parser.add_argument("--prompts", type=int, default=2, help="generations per method (0: micro-benchmarks only)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--stock-attention", action="store_true", help="transformers' own SDPA path (its copy of "
+                        "the cache per key/value group) instead of dart_infer.target.attention's packed one: the A/B")
+    parser.add_argument("--compile", action="store_true", help="decode through dart_infer.target.compiled (static "
+                        "cache, frozen inductor graphs); the forward's attention/MLP split is then not observable")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.stock_attention:  # the target's calls then run transformers' SDPA path unchanged
+        import contextlib
+
+        import dart_infer.target.adapter
+        import dart_infer.target.compiled
+
+        for module in (dart_infer.target.adapter, dart_infer.target.compiled):
+            module.packed_gqa = lambda model: contextlib.nullcontext()
+    from dart_infer.common.dtypes import as_dtype, resolve_dtype_name
+
+    args.dtype = resolve_dtype_name(args.dtype)
+    dtype = as_dtype(args.dtype)
+
+    from transformers import AutoConfig
+
+    from dart_infer import DartDraftConfig, DartDraftModel, DartModel
+    from dart_infer.data.assets import resolve_model
+    from dart_infer.data.resolve import default_trie_path, model_vocabulary, resolve_trie
+    tree = {"draft_top_k": 8, "beam_width": 6, "remain_total": args.nodes - 1} if args.tree == "nodes" else None
+    head = args.head
+    trie = resolve_trie(
+        args.trie, vocabulary=lambda: model_vocabulary(args.model, args.chat_template), default=default_trie_path(), key="--trie"
+    )
+    if trie.notice:
+        print(trie.notice)
+    trie = trie.path
+    if head == "random":  # a random head with the demo's shape (16k draft vocabulary, 8 rows)
+        import tempfile
+
+        torch.manual_seed(0)
+        config = DartDraftConfig.from_target_config(
+            AutoConfig.from_pretrained(resolve_model(args.model)), draft_length=8, draft_vocab_size=16384
+        )
+        head = tempfile.mkdtemp(prefix="bench_step_head_")
+        DartDraftModel(config).save_pretrained(head)
+    model = DartModel.from_pretrained(args.model, head, trie, dtype=dtype, tree=tree,
+                                      chat_template=args.chat_template)
+    if args.compile:
+        from dart_infer.decoding.compile import compile_decoding
+
+        compile_decoding(model, capacity=max(args.context) + max(args.max_new_tokens, args.nodes) + 64, plain=True)
+    target = model.target
+    bandwidth = memory_bandwidth(args.floor_gib)
+    weights = weight_bytes(target.model)
+    floor = weights / bandwidth
+    print(f"{args.model} {args.dtype}{' compiled' if args.compile else ''}"
+          f"{', stock attention' if args.stock_attention else ', packed GQA attention'}, {torch.get_num_threads()} thread(s), "
+          f"{args.nodes}-node tree, {args.repeats} repeats; torch {torch.__version__}")
+    print(f"floor: {weights / 1e6:.0f} MB of weights per forward at {bandwidth / 1e9:.1f} GB/s read = "
+          f"{floor * 1e3:.2f} ms per forward (at most {1 / floor:.0f} plain tokens/s)\n")
+    by_context = {context: micro_benchmarks(model, context, args, floor, dtype) for context in args.context}
+    if len(by_context) > 1 and args.repeats > 0:
+        first = min(by_context)
+        print(f"\nms per call (median) against the context; in brackets: × the {first}-token context's time\n")
+        names = list(by_context[first])
+        print("| cached tokens | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 1))
+        for context, medians in by_context.items():
+            print(f"| {context} | " + " | ".join(
+                f"{medians[name] * 1e3:.2f} ({medians[name] / by_context[first][name]:.2f}×)" for name in names) + " |")
 
     if args.prompts <= 0:
         return

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from dart_infer.target.attention import packed_gqa
 from dart_infer.target.step_cost import GrowingLayer
 
 # Attention back-ends that accept an arbitrary additive 4D mask.
@@ -98,16 +99,17 @@ class TargetModel:
         cache: DynamicCache | None = None,
         logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-            # Selecting indices keeps only the three needed layers' states alive.
-            output_hidden_states=list(self.aux_layer_ids),
-            logits_to_keep=logits_to_keep,
-        )
+        with packed_gqa(self.model):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                # Selecting indices keeps only the three needed layers' states alive.
+                output_hidden_states=list(self.aux_layer_ids),
+                logits_to_keep=logits_to_keep,
+            )
         hidden = out.hidden_states
         aux = torch.cat([hidden[i] for i in self.aux_layer_ids], dim=-1)
         return aux, out.logits

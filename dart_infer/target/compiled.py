@@ -32,6 +32,7 @@ import torch
 from transformers import StaticCache
 
 from dart_infer.target.adapter import TargetModel
+from dart_infer.target.attention import packed_gqa
 
 __all__ = ["CompiledTarget", "window_length"]
 
@@ -210,7 +211,8 @@ class CompiledTarget(TargetModel):
         visible = torch.zeros(1, window, dtype=torch.bool, device=self.device)
         visible[:, : past + 1] = True
         position = torch.full((1, 1), past, dtype=torch.long, device=self.device)
-        logits = self._step(input_ids.reshape(1, 1).to(self.device), position, self._mask(visible), cache)
+        with packed_gqa(self.model):
+            logits = self._step(input_ids.reshape(1, 1).to(self.device), position, self._mask(visible), cache)
         return logits[0, -1], cache
 
     @torch.no_grad()
@@ -243,7 +245,8 @@ class CompiledTarget(TargetModel):
         mask = self._mask(visible)
         for tensor, dim in ((tokens, 1), (positions, 1), (mask, 2)):  # one graph per tree size, never symbolic
             torch._dynamo.mark_static(tensor, dim)
-        aux, logits = self._tree_step(tokens, positions, mask, cache)
+        with packed_gqa(self.model):
+            aux, logits = self._tree_step(tokens, positions, mask, cache)
         return aux[0, :n], logits[0, :n]
 
     @torch.no_grad()
