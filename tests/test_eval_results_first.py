@@ -224,7 +224,7 @@ def test_other_settings_are_refused_and_the_records_kept(tiny_dart, tmp_path: Pa
     before = (out / RECORDS_FILE).read_bytes()
     for override, says in (("max_new_tokens=7", "max_new_tokens: 6 there, 7 here"),
                            ("methods=[ar,dart_no_trie]", "methods: "),
-                           ("tree.remain_total=3", "tree.remain_total: null there, 3 here")):
+                           ("tree.remain_total=3", 'tree.remain_total: "auto" there, 3 here')):
         with pytest.raises(InputError, match=says) as err:
             eval_cli.run_eval(eval_cfg(root, out, "limit=1", "multi_turn=false", override))
         assert "pick another out_dir=, or delete that file" in str(err.value) and "\n" not in str(err.value)

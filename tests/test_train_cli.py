@@ -294,4 +294,4 @@ def test_hardware_group_sets_trainer_tree_and_dtype_together() -> None:
     with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
         auto = compose(config_name="eval")
         on_gpu = compose(config_name="eval", overrides=["hardware=gpu"])
-    assert auto.tree.remain_total is None and on_gpu.tree.remain_total == 60 and on_gpu.model.dtype == "bfloat16"
+    assert auto.tree.remain_total == "auto" and on_gpu.tree.remain_total == 60 and on_gpu.model.dtype == "bfloat16"

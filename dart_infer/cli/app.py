@@ -71,6 +71,8 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
         model.trie = trie
         if note:
             notices.append(note)
+    if has_head:
+        model.tree  # noqa: B018  tree=auto fits its size now (seconds, once per machine), not inside a request
     return model.eval(), has_head, notices
 
 

@@ -50,6 +50,9 @@ POSITIVE = frozenset({"lr", "eps"})
 CHOICES: dict[str, tuple[str, ...]] = {"model.dtype": tuple(DTYPE_NAMES), "serve_dtype": ("auto", *DTYPE_NAMES)}
 # Switches that also take a word: `resume=auto`.
 BOOL_OR: dict[str, tuple[str, ...]] = {"resume": ("auto",)}
+# Keys that take a word besides their type: `tree.remain_total=auto` fits the tree size to this machine
+# (DartModel's tree="auto"; configs/tree/auto.yaml).
+WORD_OR: dict[str, tuple[str, ...]] = {"tree.remain_total": ("auto",)}
 # Keys naming a model or a head: an embedded name, a local directory or a Hub id.
 MODEL_KEYS = ("model.name_or_path", "draft_model", "eagle3_model", "draft.init_from", "train_eval.compare_head")
 
@@ -198,7 +201,7 @@ def check_config(command: str, cfg: DictConfig, defaults: DictConfig) -> None:
             raise InputError(f"{parent}={shown}: expected {_kind(expected)}, not a mapping")
         if value == MISSING:
             raise InputError(f"{key} has no value and needs one: add {key}=<value> to the command")
-        if key in BOOL_OR and str(value).lower() in BOOL_OR[key]:
+        if key in BOOL_OR and str(value).lower() in BOOL_OR[key] or key in WORD_OR and value in WORD_OR[key]:
             continue
         if value is None:
             if not nullable:

@@ -185,7 +185,10 @@ def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
     for dtype in (serving_dtype, *others):
         if dtype not in by_dtype:
             by_dtype[dtype] = loaded.with_dtype(dtype)
-    return by_dtype[serving_dtype], [by_dtype[d] for d in others]
+    serving = by_dtype[serving_dtype]
+    if serving.method is not None:
+        serving.tree  # noqa: B018  tree=auto fits its size now (seconds, once per machine), before anything is timed
+    return serving, [by_dtype[d] for d in others]
 
 
 def load_eagle3(cfg: DictConfig, model: Any) -> Any:

@@ -125,15 +125,44 @@ class DartModel(nn.Module):
     def tree(self) -> Any:
         """The head's tree settings (its method's settings class): the ones given, or the method's
         default for the device and dtype the model is on now (e.g. `dart_infer.tree.settings.default_tree`),
-        with a mapping given as `tree` overriding fields of that default. None without a head."""
+        with a mapping given as `tree` overriding fields of that default. None without a head.
+
+        `tree="auto"` (or `remain_total="auto"` in a mapping) fits DART's tree size to this machine on
+        a CPU: measured the first time it is needed (seconds), cached per machine, model, head, trie
+        and dtype (`dart_infer.decoding.fitted_tree`). On a GPU, or for other methods, it is the default."""
         if self.method is None:
             return None
-        return self.method.resolve_tree(self._tree_spec, self.target.device, self.target.dtype)
+        settings = self.method.resolve_tree(self._tree_spec, self.target.device, self.target.dtype)
+        if self._fit_tree_size and self.target.device.type == "cpu" and self.method.name == "dart" \
+                and settings.shape == "tree":
+            settings = settings.with_overrides({"remain_total": self.fitted_tree().remain_total})
+        return settings
 
     @tree.setter
     def tree(self, value: Any) -> None:
-        # Unknown names and bad values fail now; without a head there is nothing to check them against.
+        # "auto" asks for the size fitted here; the rest is checked now (unknown names, bad values), and
+        # without a head there is nothing to check against.
+        self._fit_tree_size = value == "auto" or (isinstance(value, dict) and value.get("remain_total") == "auto")
+        if value == "auto":
+            value = None
+        elif self._fit_tree_size:
+            value = {k: v for k, v in value.items() if k != "remain_total"}
         self._tree_spec = self.method.check_tree(value) if self.method is not None else value
+        self._tree_fits: dict[Any, Any] = {}
+
+    def fitted_tree(self) -> Any:
+        """The `TreeFit` of this model's tree size on this machine (`tree="auto"`; measured once,
+        then cached): the chosen `remain_total` and each candidate size's τ, step time and predicted
+        speedup over plain decoding."""
+        from dart_infer.decoding.fitted_tree import fit_tree_size
+
+        if self.method is None or self.method.name != "dart":
+            raise ValueError("only a DART head's tree size is fitted (tree='auto')")
+        settings = self.method.resolve_tree(self._tree_spec, self.target.device, self.target.dtype)
+        key = (self.target.device, self.target.dtype, repr(settings), id(self.trie))
+        if key not in self._tree_fits:
+            self._tree_fits[key] = fit_tree_size(self, settings)
+        return self._tree_fits[key]
 
     @property
     def draft_depth(self) -> int:
@@ -235,7 +264,10 @@ class DartModel(nn.Module):
             # The head's attached embedding is the target's tensor: leave it out of the copy.
             memo = {id(self.draft_model.__dict__.get("_target_embedding")): None}
             draft = cast_parameters(copy.deepcopy(self.draft_model, memo), dtype)
-        copied = type(self)(base, draft, self.tokenizer, self.trie, tree=self._tree_spec, profile=self.profile)
+        spec = self._tree_spec
+        if self._fit_tree_size:  # the copy fits its own dtype's size
+            spec = "auto" if spec is None else {**spec, "remain_total": "auto"}
+        copied = type(self)(base, draft, self.tokenizer, self.trie, tree=spec, profile=self.profile)
         return copied.train(self.training)
 
     # ------------------------------------------------------------------------------ plumbing
