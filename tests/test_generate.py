@@ -246,41 +246,29 @@ def sharegpt_trie(tokenizer, conversations: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("half", [pytest.param(h, marks=pytest.mark.xdist_group(f"mtbench-lossless-{h}")) for h in (0, 1)])
 def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokenizer, half: int) -> None:
-    """10 MT-Bench prompts x 200 new tokens, random (untrained) head, trie from ShareGPT, fp32:
-    token for token what `generate(do_sample=False)` produces (`assert_greedy`: one forward checks
-    every token, `generate` only where that disagrees). In two halves of 5 prompts (~1 min each on
-    2 cores), each its own xdist group, so the two test workers can share them."""
-    from transformers import AutoModelForCausalLM
-
+    """10 MT-Bench prompts x 200 new tokens, the shipped head, a trie from ShareGPT, fp32: token for
+    token what `generate(do_sample=False)` produces (`assert_greedy`: one forward checks every token,
+    `generate` only where that disagrees). The trained head accepts more than one draft per step, so
+    deep keep-paths run on real weights, in about half the steps (and time) an untrained head needed.
+    In two halves of 5 prompts, each its own xdist group, so the two test workers can share them."""
     from dart_infer.data.conversations import load_conversations
 
-    base = AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    trie, counts = sharegpt_trie(smollm2_tokenizer, 300)
-    torch.manual_seed(0)
-    # The untrained head drafts over the 64 most frequent tokens and the trie ranks them (also at
-    # level 0), so draft tokens do get accepted and the keep-path runs on real weights; a small
-    # vocabulary and tree keep the test cheap on 2 CPU cores.
-    head = DartDraftModel(
-        DartDraftConfig.from_target_config(base.config, draft_length=4, draft_vocab_size=64)
-    )
-    head.set_vocab_mapping(counts.topk(64).indices.sort().values)
-    tree = TreeSearchSettings(
-        draft_top_k=64, beam_width=6, remain_total=6, ngram_weight=1.0, ngram_on_first_level=True
-    )
-    model = DartModel(base, head.eval(), smollm2_tokenizer, trie, tree=tree)
+    trie, _ = sharegpt_trie(smollm2_tokenizer, 300)
+    # The fp32 CPU tree as served (context n-grams and copy spans included), at a fixed size.
+    model = DartModel.from_pretrained(smollm2_dir, "dart-smollm2-135m-instruct", dtype=torch.float32,
+                                      tree={"remain_total": 6})
+    model.trie = trie
     steps = tokens = accepted = 0
     for conversation in load_conversations("mtbench", limit=10)[5 * half: 5 * half + 5]:
         prompt = smollm2_tokenizer.apply_chat_template(
             conversation.messages[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
         out, stats = model.dart_generate(prompt, max_new_token_num=200, return_stats=True)
-        assert_greedy(base, prompt, out, 200, conversation.id)
+        assert_greedy(model.base_model, prompt, out, 200, conversation.id)
         steps += stats.steps
         tokens += stats.new_tokens - 1
         accepted += sum(stats.accept_lengths)
-    assert tokens >= 500 and accepted > 0.1 * steps
+    assert tokens >= 500 and accepted > steps  # τ > 2: deep paths kept, not just roots
 
 
 @pytest.mark.smollm2
