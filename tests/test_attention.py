@@ -63,3 +63,19 @@ def test_other_backends_and_sub_configs_are_left_alone() -> None:
     with packed_gqa(gemma):
         assert gemma.config.get_text_config()._attn_implementation == PACKED_GQA
     assert gemma.config._attn_implementation == "sdpa"
+
+
+def test_overlapping_forwards_keep_it_until_the_last_one_leaves() -> None:
+    """dart-app serves requests in threads on one model: one request's forward ending must not switch
+    the attention under another's (which would also fail verify's back-end check)."""
+    base = tiny_llama()
+    first, second = packed_gqa(base), packed_gqa(base)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first request's forward ends while the second's runs
+    assert base.config._attn_implementation == PACKED_GQA
+    target = TargetModel(base)
+    _, _, cache = target.prefill(torch.tensor([[3, 4, 5]]))
+    target.verify(torch.tensor([6, 7]), torch.tensor([0, 1]), torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), cache)
+    second.__exit__(None, None, None)
+    assert base.config._attn_implementation == "sdpa"

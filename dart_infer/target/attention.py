@@ -14,6 +14,7 @@ computation as before; a test checks the outputs equal the stock path's.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -67,18 +68,33 @@ AttentionInterface.register(PACKED_GQA, packed_gqa_attention)
 AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)  # the same masks as "sdpa"
 
 
+# Requests served in threads (dart-app) share one model: the first forward in swaps the config, the last
+# one out restores it, so no forward sees it change under it.
+_lock = threading.Lock()
+_users: dict[int, int] = {}
+
+
 @contextmanager
 def packed_gqa(model: torch.nn.Module) -> Iterator[None]:
     """Run `model`'s forwards inside with `packed_gqa_attention` where it uses "sdpa" (else unchanged).
     Scoped, not permanent: the caller's model (and `generate` on it) keeps transformers' own path."""
     # The top config and the text config (the one the decoder's attention modules hold), set directly
     # so that nothing else (sub-configs of other modalities) changes, and restored exactly.
-    configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
-    swapped = [c for c in configs if getattr(c, "_attn_implementation_internal", None) == "sdpa"]
-    for config in swapped:
-        config._attn_implementation_internal = PACKED_GQA
+    configs = list({id(c): c for c in (model.config, model.config.get_text_config())}.values())
+    with _lock:
+        for config in configs:
+            if _users.get(id(config)):
+                _users[id(config)] += 1
+            elif getattr(config, "_attn_implementation_internal", None) == "sdpa":
+                config._attn_implementation_internal = PACKED_GQA
+                _users[id(config)] = 1
+        entered = [c for c in configs if _users.get(id(c))]
     try:
         yield
     finally:
-        for config in swapped:
-            config._attn_implementation_internal = "sdpa"
+        with _lock:
+            for config in entered:
+                _users[id(config)] -= 1
+                if not _users[id(config)]:
+                    del _users[id(config)]
+                    config._attn_implementation_internal = "sdpa"
