@@ -25,7 +25,7 @@ import torch
 
 from dart_infer.common.files import atomic_write_bytes
 
-__all__ = ["BF16_MUST_BEAT", "cpu_bf16_pays", "cpu_fingerprint", "machine_cache_file", "measure_bf16"]
+__all__ = ["BF16_MUST_BEAT", "cpu_bf16_pays", "cpu_fingerprint", "machine_cache_dir", "machine_cache_file", "measure_bf16"]
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,15 @@ def cpu_fingerprint() -> dict[str, Any]:
     }
 
 
+def machine_cache_dir() -> Path:
+    """Where measurements of this machine are kept (`<cache>/machine`; `DART_CACHE_DIR` moves the cache)."""
+    return Path(os.environ.get("DART_CACHE_DIR") or Path.home() / ".cache" / "dart").expanduser() / "machine"
+
+
 def machine_cache_file(fingerprint: dict[str, Any] | None = None) -> Path:
     fingerprint = fingerprint or cpu_fingerprint()
     key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("DART_CACHE_DIR") or Path.home() / ".cache" / "dart").expanduser()
-    return root / "machine" / f"{key}.json"
+    return machine_cache_dir() / f"{key}.json"
 
 
 def measure_bf16(hidden: int = 576, intermediate: int = 1536, layers: int = 30, repeats: int = 7) -> dict[str, float]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from dart_infer.common.files import atomic_write_bytes
-from dart_infer.common.machine import cpu_fingerprint, machine_cache_file
+from dart_infer.common.machine import cpu_fingerprint, machine_cache_dir
 from dart_infer.data.assets import AssetMissingError
 from dart_infer.decoding.loop import decode_steps
 from dart_infer.decoding.sampling import Sampler
@@ -197,7 +197,7 @@ def _cache_key(model: Any, settings: TreeSearchSettings, sizes: tuple[int, ...])
 
 def _cache_path(key: dict[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return machine_cache_file().parent / f"tree-{digest}.json"
+    return machine_cache_dir() / f"tree-{digest}.json"
 
 
 def _load(path: Path, key: dict[str, Any]) -> TreeFit | None:
