@@ -94,7 +94,7 @@ def decode_steps(
     return _tree_steps(model, prompt, budget, sampler, drafter, profile)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _tree_steps(
     model: Any,
     prompt: torch.Tensor,
@@ -153,7 +153,7 @@ def _tree_steps(
                 drafter.update(tree_aux[node_index][None], torch.tensor(new_tokens, device=device)[None])
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _plain_steps(model: Any, prompt: torch.Tensor, budget: int, sampler: Sampler, profile: bool) -> Iterator[StepOutput]:
     """Plain autoregressive decoding through the same target adapter (one token per forward)."""
     target = model.target

@@ -181,7 +181,7 @@ class CompiledTarget(TargetModel):
         return aux, out.logits
 
     # ------------------------------------------------------------------------- TargetModel calls
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(
         self, input_ids: torch.Tensor, cache: StaticCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, StaticCache]:
@@ -195,7 +195,7 @@ class CompiledTarget(TargetModel):
         aux, logits = self._forward(input_ids.to(self.device), position_ids=positions, cache=cache, logits_to_keep=1)
         return aux, logits[0, -1], cache
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def next_logits(
         self, input_ids: torch.Tensor, cache: StaticCache | None = None
     ) -> tuple[torch.Tensor, StaticCache]:
@@ -215,7 +215,7 @@ class CompiledTarget(TargetModel):
             logits = self._step(input_ids.reshape(1, 1).to(self.device), position, self._mask(visible), cache)
         return logits[0, -1], cache
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def verify(
         self,
         tree_tokens: torch.Tensor,
@@ -249,7 +249,7 @@ class CompiledTarget(TargetModel):
             aux, logits = self._tree_step(tokens, positions, mask, cache)
         return aux[0, :n], logits[0, :n]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def compile_now(self, *, plain: bool = True, trees: bool = True) -> None:
         """Compile the step shapes now (the plain step, each tree size) on a throw-away request, so no
         compilation lands inside a timed or served request later (~60 s per shape on a 2-core EPYC,
@@ -265,6 +265,7 @@ class CompiledTarget(TargetModel):
         self.new_cache()
 
     @staticmethod
+    @torch.inference_mode()
     def keep_path(cache: StaticCache, past: int, keep: torch.Tensor | Sequence[int]) -> None:
         """Keep the first `past` entries plus the tree nodes `keep` (in order); the rest is overwritten later."""
         nodes = keep.tolist() if isinstance(keep, torch.Tensor) else [int(i) for i in keep]

@@ -69,7 +69,7 @@ class CompiledDraftStep:
         inductor_settings()
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=None)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def compile_now(self) -> None:
         """Compile the step before the first request (an eager prompt step, then one compiled step)."""
         config, weight = self.draft.config, self.draft.fc.weight
@@ -92,7 +92,7 @@ class CompiledDraftStep:
         residual, attn_in = torch.cat([res_p, res_m], dim=1), torch.cat([in_p, in_m], dim=1)
         return draft.decode(residual, attn_in, positions, mask, keep=keep, kv_cache=cache)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(self, aux_hidden_new: torch.Tensor, next_ids_new: torch.Tensor, cache: StaticDraftCache) -> torch.Tensor:
         n = aux_hidden_new.shape[1]
         if n > self.max_new or cache.keys is None:  # the prompt (or an unusually long accept): eager
