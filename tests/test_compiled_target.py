@@ -98,3 +98,25 @@ def test_compiled_draft_step_gives_the_eager_steps_logits() -> None:
         torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
         assert compiled_cache.length == eager_cache.length
     assert compiled_cache.capacity == 32
+
+
+def test_background_compile_serves_eagerly_then_compiled_without_recompiling() -> None:
+    """`compile_decoding(background=True)` returns before compiling: requests decode eagerly (and
+    losslessly) while a thread compiles, then through the compiled steps; a request under
+    `torch.inference_mode()` or `torch.no_grad()` compiles nothing more (inference tensors' dispatch
+    keys once made every graph compile again, minutes on a 2-core CPU)."""
+    torch.set_num_threads(1)
+    base, head = tiny_pair("llama", draft_vocab_size=40)
+    model = compile_decoding(DartModel(base, head, tree=TreeSearchSettings(remain_total=6)), capacity=64,
+                             background=True)
+    assert not isinstance(model.target, CompiledTarget) and not model.compiling.done
+    prompt = torch.randint(3, 48, (1, 9), generator=torch.Generator().manual_seed(3))
+    expected = reference(base, prompt, 24)
+    assert torch.equal(model.dart_generate(prompt, max_new_token_num=24), expected)  # eager, beside the compiler
+    assert model.compiling.wait(timeout=600) and model.compiling.error is None
+    assert isinstance(model.target, CompiledTarget) and model.compiled_draft is not None
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            assert torch.equal(model.dart_generate(prompt, max_new_token_num=24), expected), mode
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames

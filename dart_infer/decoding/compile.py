@@ -1,17 +1,62 @@
 """`compile_decoding`: a `DartModel` whose target (and DART draft step) run as frozen, fixed-shape
-compiled graphs (`dart_infer.target.compiled`, `dart_infer.methods.dart.compiled_draft`)."""
+compiled graphs (`dart_infer.target.compiled`, `dart_infer.methods.dart.compiled_draft`).
+
+Compiling takes minutes on a 2-core CPU (`scripts/bench_first_token.py`), so `background=True` keeps
+decoding eagerly while a thread compiles, then swaps the compiled steps in: a request takes the
+target and draft step it finds when it starts, so one in flight finishes on the eager ones."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any
 
 from dart_infer.target.compiled import CompiledTarget
 
-__all__ = ["compile_decoding"]
+__all__ = ["BackgroundCompile", "compile_decoding"]
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundCompile:
+    """The compiling thread of `compile_decoding(..., background=True)`, as `model.compiling`:
+    `done`, `wait(timeout)`, and `error` (decoding stays eager if compiling failed)."""
+
+    def __init__(self, build: Any) -> None:
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self._thread = threading.Thread(target=self._run, args=(build,), name="dart-compile", daemon=True)
+        self._thread.start()
+
+    def _run(self, build: Any) -> None:
+        start = time.perf_counter()
+        try:
+            build()
+        except Exception as error:  # noqa: BLE001 - serving goes on eagerly; the error is kept and logged
+            self.error = error
+            log.warning("compiling the decoding steps failed, decoding stays eager: %s", error)
+        else:
+            self.seconds = time.perf_counter() - start
+            log.info("compiled decoding steps in %.0f s: requests from now on run compiled", self.seconds)
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until compiled (or failed), at most `timeout` seconds; whether it has finished."""
+        self._thread.join(timeout)
+        return self.done
 
 
 def compile_decoding(
-    model: Any, *, tree_sizes: tuple[int, ...] | None = None, capacity: int = 1024, plain: bool | None = None
+    model: Any,
+    *,
+    tree_sizes: tuple[int, ...] | None = None,
+    capacity: int = 1024,
+    plain: bool | None = None,
+    background: bool = False,
 ) -> Any:
     """`model` (a `DartModel`) decoding through a `CompiledTarget` from now on, for its AR baseline and
     its tree decoding alike, and a DART head's draft step through `CompiledDraftStep`. `tree_sizes`
@@ -19,18 +64,38 @@ def compile_decoding(
     (`DraftMethod.max_tree_nodes`). Compiles those shapes before it returns (`compile_now`), and the
     plain one-token step only with `plain=True` (default: only when the model has no head): each
     target graph takes about a minute here (SmolLM2-135M, 2 cores), and serving a head never runs
-    the plain step. Without it, `ar_generate` compiles that step on its first call. Returns `model`."""
-    target = model.target
-    if tree_sizes is None:
-        tree_sizes = tuple(model.method.padded_tree_sizes(model.tree)) if model.method is not None else (1,)
-    model.target = CompiledTarget(model.base_model, target.aux_layer_ids, tree_sizes=tree_sizes, capacity=capacity)
-    model.target.compile_now(plain=model.method is None if plain is None else plain, trees=model.method is not None)
-    model.target.embedding_weight = target.embedding_weight
-    if model.method is not None and model.method.name == "dart":
-        from dart_infer.methods.dart.compiled_draft import CompiledDraftStep
+    the plain step. Without it, `ar_generate` compiles that step on its first call.
 
-        # A step adds 1 + accepted positions: up to the draft's depth, or a copy span's.
-        deepest = max(model.method.max_depth(model.draft_model, model.tree), int(model.tree.copy_span_tokens))
-        model.compiled_draft = CompiledDraftStep(model.draft_model, max_new=1 + deepest, capacity=capacity)
-        model.compiled_draft.compile_now()
+    `background=True` returns at once: the model decodes eagerly until a thread has compiled, then
+    compiled (`model.compiling`, a `BackgroundCompile`, says when). The first token comes in seconds,
+    but requests made meanwhile share the CPU and the GIL with the compiler: 2-5 tokens/s on a 2-core
+    CPU (bf16 SmolLM2, `scripts/bench_first_token.py --mode background`). Returns `model`."""
+    settings = model.tree  # resolved here, before any thread: tree="auto" fits it now, on the eager target
+    if tree_sizes is None:
+        tree_sizes = tuple(model.method.padded_tree_sizes(settings)) if model.method is not None else (1,)
+    build_plain = model.method is None if plain is None else plain
+
+    def build() -> None:
+        target = model.target
+        compiled = CompiledTarget(model.base_model, target.aux_layer_ids, tree_sizes=tree_sizes, capacity=capacity)
+        compiled.compile_now(plain=build_plain, trees=model.method is not None)
+        compiled.embedding_weight = target.embedding_weight
+        draft_step = None
+        if model.method is not None and model.method.name == "dart":
+            from dart_infer.methods.dart.compiled_draft import CompiledDraftStep
+
+            # A step adds 1 + accepted positions: up to the draft's depth, or a copy span's.
+            deepest = max(model.method.max_depth(model.draft_model, settings), int(settings.copy_span_tokens))
+            draft_step = CompiledDraftStep(model.draft_model, max_new=1 + deepest, capacity=capacity)
+            draft_step.compile_now()
+        # Both at once, between two attribute reads of a starting request at worst: either mix works
+        # (the draft step only takes the target's hidden states), and a request keeps what it took.
+        if draft_step is not None:
+            model.compiled_draft = draft_step
+        model.target = compiled
+
+    if background:
+        model.compiling = BackgroundCompile(build)
+    else:
+        build()
     return model
