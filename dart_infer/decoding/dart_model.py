@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import numbers
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch import nn
 from dart_infer.common.dtypes import as_dtype, bf16_is_faster, cast_parameters, resolve_dtype
 from dart_infer.data.loaders import check_trie_matches_tokenizer, eos_token_ids, load_tokenizer, load_trie
 from dart_infer.decoding.loop import decode_steps
+from dart_infer.decoding.request import as_prompt, checked_request
 from dart_infer.decoding.sampling import (
     GREEDY_TEMPERATURE,
     Sampler,
@@ -58,27 +58,6 @@ __all__ = [
     "check_trie_matches_tokenizer", "default_tree", "greedy_accept", "load_draft_model", "load_trie",
     "bf16_is_faster", "sampling_accept", "tree_children",
 ]
-
-
-def _check_count(name: str, value: object) -> None:
-    """A token count is an int (not a bool, not a float such as 2.5 or 8.0), or a TypeError naming it."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int (a number of tokens), got {value!r} ({type(value).__name__})")
-
-
-def _as_prompt(input_ids: torch.Tensor | list[int]) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids)
-    if ids.dim() == 2:
-        if ids.shape[0] != 1:
-            raise ValueError(f"batch size 1 only: input_ids has batch {ids.shape[0]}")
-        ids = ids[0]
-    if ids.dim() != 1:
-        raise ValueError(f"input_ids must be [1,T] or [T], got shape {tuple(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError("empty prompt: input_ids has no tokens")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must hold integer token ids, got {ids.dtype}")
-    return ids.to(torch.long)
 
 
 class DartModel(nn.Module):
@@ -287,18 +266,7 @@ class DartModel(nn.Module):
         generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, int, Sampler]:
         """Checked prompt, new-token budget and sampler of one generation (either method)."""
-        prompt = _as_prompt(input_ids)
-        _check_count("max_new_token_num", max_new_token_num)
-        _check_count("max_length", max_length)
-        if max_new_token_num < 1:
-            raise ValueError(f"max_new_token_num must be >= 1, got {max_new_token_num}")
-        if max_length <= prompt.numel():
-            raise ValueError(
-                f"max_length ({max_length}) must exceed the prompt length ({prompt.numel()} tokens)"
-            )
-        if int(prompt.min()) < 0 or int(prompt.max()) >= self.target.vocab_size:
-            raise ValueError(f"input_ids hold ids outside the vocabulary [0, {self.target.vocab_size})")
-        budget = int(min(max_new_token_num, max_length - prompt.numel()))
+        prompt, budget = checked_request(input_ids, max_new_token_num, max_length, self.target.vocab_size)
         return prompt, budget, Sampler(temperature, top_p, top_k, generator)
 
     def _stream(
@@ -418,7 +386,7 @@ class DartModel(nn.Module):
     def _collect(
         self, input_ids: torch.Tensor | list[int], steps: Iterator[StepOutput], return_stats: bool
     ) -> torch.Tensor | tuple[torch.Tensor, GenerationStats]:
-        prompt = _as_prompt(input_ids)
+        prompt = as_prompt(input_ids)
         new: list[int] = []
         for step in steps:
             new.extend(step.tokens)
