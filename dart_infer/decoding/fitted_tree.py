@@ -230,7 +230,11 @@ def model_tree_fit(model: Any, settings: TreeSearchSettings) -> TreeFit | None:
 @contextlib.contextmanager
 def _eager(model: Any) -> Iterator[None]:
     """`model` decoding through the eager target and draft step while inside (a compiled one has only
-    its own fixed shapes), then as it was."""
+    its own fixed shapes), then as it was. A background compile finishes first: it installs its steps
+    when done, which this would undo on the way out."""
+    compiling = getattr(model, "compiling", None)  # compile_decoding(..., background=True)
+    if compiling is not None:
+        compiling.wait()
     target, compiled_draft = model.target, model.__dict__.get("compiled_draft")
     if type(target) is not TargetModel:
         model.target = TargetModel(model.base_model, target.aux_layer_ids)
