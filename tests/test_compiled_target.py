@@ -42,8 +42,9 @@ def test_compiled_greedy_equals_generate_through_growth_and_reuse() -> None:
 
 def test_compiled_decoding_refuses_what_it_cannot_run() -> None:
     base, head = tiny_pair("gemma3")
-    with pytest.raises(ValueError, match="sliding-window"):
-        compile_decoding(DartModel(base, head))
+    for background in (False, True):  # refused at once, not in the compiling thread
+        with pytest.raises(ValueError, match="sliding-window"):
+            compile_decoding(DartModel(base, head), background=background)
     base, head = tiny_pair("llama")
     target = CompiledTarget(base, head.config.aux_layer_ids, tree_sizes=(2, 4))
     cache = target.prefill(torch.tensor([[3, 4, 5]]))[2]

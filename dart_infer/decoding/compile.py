@@ -21,8 +21,8 @@ __all__ = ["BackgroundCompile", "compile_decoding"]
 log = logging.getLogger(__name__)
 
 # The compiling thread runs at the lowest CPU priority, so the requests served meanwhile keep the cores
-# (measured, AVX-512 EPYC, bf16: eager DART 26.6 tokens/s beside it, 33.5 alone, 2-5 at equal priority;
-# compiling took 113 s at equal priority, 117 s at the lowest).
+# (measured, AVX-512 EPYC, bf16: eager DART 26.6-28.3 tokens/s beside it, 33.5 alone, 2-5 at equal
+# priority; compiling took 113 s at equal priority, 112-117 s at the lowest).
 _COMPILER_NICE = 19
 
 
@@ -77,26 +77,30 @@ def compile_decoding(
 
     `background=True` returns at once: the model decodes eagerly until a thread has compiled, then
     compiled (`model.compiling`, a `BackgroundCompile`, says when). The first token comes in seconds,
-    and requests made meanwhile decode at ~80% of the eager speed (bf16 SmolLM2 on a 2-core EPYC:
-    26.6 tokens/s, compiled 116 s after the start; `scripts/bench_first_token.py --mode background`).
+    and requests made meanwhile decode at ~85% of the eager speed (bf16 SmolLM2 on a 2-core EPYC:
+    28.3 tokens/s, compiled 112 s after the start; `scripts/bench_first_token.py --mode background`).
     Returns `model`."""
     settings = model.tree  # resolved here, before any thread: tree="auto" fits it now, on the eager target
     if tree_sizes is None:
         tree_sizes = tuple(model.method.padded_tree_sizes(settings)) if model.method is not None else (1,)
     build_plain = model.method is None if plain is None else plain
 
-    def build() -> None:
-        target = model.target
-        compiled = CompiledTarget(model.base_model, target.aux_layer_ids, tree_sizes=tree_sizes, capacity=capacity)
-        compiled.compile_now(plain=build_plain, trees=model.method is not None)
-        compiled.embedding_weight = target.embedding_weight
-        draft_step = None
-        if model.method is not None and model.method.name == "dart":
-            from dart_infer.methods.dart.compiled_draft import CompiledDraftStep
+    # Built here, so what cannot be compiled (a sliding-window target, bad sizes) fails now, in one line,
+    # background or not; only the compiling itself goes to the thread.
+    eager = model.target
+    compiled = CompiledTarget(model.base_model, eager.aux_layer_ids, tree_sizes=tree_sizes, capacity=capacity)
+    compiled.embedding_weight = eager.embedding_weight
+    draft_step = None
+    if model.method is not None and model.method.name == "dart":
+        from dart_infer.methods.dart.compiled_draft import CompiledDraftStep
 
-            # A step adds 1 + accepted positions: up to the draft's depth, or a copy span's.
-            deepest = max(model.method.max_depth(model.draft_model, settings), int(settings.copy_span_tokens))
-            draft_step = CompiledDraftStep(model.draft_model, max_new=1 + deepest, capacity=capacity)
+        # A step adds 1 + accepted positions: up to the draft's depth, or a copy span's.
+        deepest = max(model.method.max_depth(model.draft_model, settings), int(settings.copy_span_tokens))
+        draft_step = CompiledDraftStep(model.draft_model, max_new=1 + deepest, capacity=capacity)
+
+    def build() -> None:
+        compiled.compile_now(plain=build_plain, trees=model.method is not None)
+        if draft_step is not None:
             draft_step.compile_now()
         # Both at once, between two attribute reads of a starting request at worst: either mix works
         # (the draft step only takes the target's hidden states), and a request keeps what it took.
