@@ -102,11 +102,10 @@ def compile_decoding(
         compiled.compile_now(plain=build_plain, trees=model.method is not None)
         if draft_step is not None:
             draft_step.compile_now()
-        # Both at once, between two attribute reads of a starting request at worst: either mix works
-        # (the draft step only takes the target's hidden states), and a request keeps what it took.
-        if draft_step is not None:
+            # Installed next to the target, between two attribute reads of a starting request at worst:
+            # either mix works (the draft step only takes the target's hidden states).
             model.compiled_draft = draft_step
-        model.target = compiled
+        model.target = compiled  # a request keeps the target it took when it started
 
     if background:
         model.compiling = BackgroundCompile(build)

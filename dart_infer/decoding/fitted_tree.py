@@ -280,16 +280,15 @@ def _measure(model: Any, settings: TreeSearchSettings, sizes: tuple[int, ...]) -
     largest = dataclasses.replace(settings, remain_total=max(sizes))
     sampler = Sampler(0.0)  # greedy: the target's kept tokens are its argmax path
     probes, step_seconds = [], 0.0
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            probe = _ProbingDrafter(model.method.drafter(model, largest), model, sizes)
-            for _ in decode_steps(model, prompt, FIT_NEW_TOKENS if i else 8, sampler, probe, profile=True):
-                pass
-            if i == 0:
-                continue  # a warm-up: first calls pay one-time kernel and allocator set-up
-            timings = model.last_stats.timings
-            step_seconds += sum(timings.get(p, 0.0) for p in ("draft", "search", "bookkeeping")) - probe.probe_seconds
-            probes.append(probe)
+    for i, prompt in enumerate(prompts):  # decode_steps runs in inference mode itself
+        probe = _ProbingDrafter(model.method.drafter(model, largest), model, sizes)
+        for _ in decode_steps(model, prompt, FIT_NEW_TOKENS if i else 8, sampler, probe, profile=True):
+            pass
+        if i == 0:
+            continue  # a warm-up: first calls pay one-time kernel and allocator set-up
+        timings = model.last_stats.timings
+        step_seconds += sum(timings.get(p, 0.0) for p in ("draft", "search", "bookkeeping")) - probe.probe_seconds
+        probes.append(probe)
     total_steps = sum(len(p.depths[sizes[0]]) for p in probes)
     if total_steps == 0:
         raise RuntimeError("tree=auto: the fit's prompts ended before a second step")
