@@ -308,7 +308,9 @@ def main() -> None:
           f"{args.nodes}-node tree, {args.repeats} repeats; torch {torch.__version__}")
     print(f"floor: {weights / 1e6:.0f} MB of weights per forward at {bandwidth / 1e9:.1f} GB/s read = "
           f"{floor * 1e3:.2f} ms per forward (at most {1 / floor:.0f} plain tokens/s)\n")
-    by_context = {context: micro_benchmarks(model, context, args, floor, dtype) for context in args.context}
+    # Inference mode, as the decoding loop runs its steps: caches made in it cannot be updated outside it.
+    with torch.inference_mode():
+        by_context = {context: micro_benchmarks(model, context, args, floor, dtype) for context in args.context}
     if len(by_context) > 1 and args.repeats > 0:
         first = min(by_context)
         print(f"\nms per call (median) against the context; in brackets: × the {first}-token context's time\n")

@@ -121,3 +121,20 @@ def test_background_compile_serves_eagerly_then_compiled_without_recompiling() -
         with mode():
             assert torch.equal(model.dart_generate(prompt, max_new_token_num=24), expected), mode
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+def test_frozen_fp32_linears_run_on_onednn_not_mkl() -> None:
+    """fp32 linears are packed for oneDNN (inductor's default for fp32 is MKL's packed sgemm, ~1.3-2x
+    slower per step on the 2-core EPYCs), and give the eager linear's output."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dart_infer.target.compiled import inductor_settings
+
+    inductor_settings()
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.SiLU(), torch.nn.Linear(96, 32)).eval()
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        out, (code, *_) = run_and_get_code(torch.compile(layer), x)
+        torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
+    assert "mkldnn._linear_pointwise" in code and "_mkl_linear" not in code
