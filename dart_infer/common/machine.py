@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 # The flags that decide which matmul kernels oneDNN and inductor use.
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16",
                 "amx_tile", "amx_bf16", "amx_int8")
+# Environment settings that cap the instruction sets kernels use (ATen + inductor, oneDNN, MKL).
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "DART_EMULATED_ISA")
 # bf16 must take at most this share of fp32's time: bf16 serving is not exact (every method's output
 # depends on how many tokens a forward processes), so a small gain does not pay for it.
 BF16_MUST_BEAT = 0.85
@@ -55,13 +57,19 @@ def _cpuinfo() -> tuple[str, set[str]]:
 def cpu_fingerprint() -> dict[str, Any]:
     """What a measurement holds for: CPU model, kernel-relevant flags, cores, torch threads and version."""
     model, flags = _cpuinfo()
-    return {
+    fingerprint = {
         "cpu": model,
         "flags": [f for f in KERNEL_FLAGS if f in flags],
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    # Kernels capped below what the flags offer (scripts/cpu_isa.sh, or a user's own setting) are
+    # another machine as far as the measurements go.
+    caps = {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)}
+    if caps:
+        fingerprint["isa_caps"] = caps
+    return fingerprint
 
 
 def machine_cache_dir() -> Path:
