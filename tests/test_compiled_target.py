@@ -55,6 +55,9 @@ def test_compiled_decoding_refuses_what_it_cannot_run() -> None:
         expected = eager.verify(chain, depth, mask, eager_cache)[1]
         assert torch.allclose(target.verify(chain, depth, mask, cache)[1], expected, atol=1e-4)
         target.keep_path(cache, 3, [])
+    # A fit over many sizes (one graph each, per cache capacity) stays under dynamo's recompile limit.
+    CompiledTarget(base, head.config.aux_layer_ids, tree_sizes=range(2, 14))
+    assert torch._dynamo.config.recompile_limit >= 6 * 12 + 8
     tree = torch.arange(6)
     with pytest.raises(ValueError, match="does not fit the compiled tree size 4"):
         target.verify(tree, torch.zeros(6, dtype=torch.long), torch.eye(6, dtype=torch.bool), cache)
