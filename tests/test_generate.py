@@ -246,7 +246,7 @@ def sharegpt_trie(tokenizer, conversations: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("half", [pytest.param(h, marks=pytest.mark.xdist_group(f"mtbench-lossless-{h}")) for h in (0, 1)])
 def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokenizer, half: int) -> None:
-    """10 MT-Bench prompts x 200 new tokens, the shipped head, a trie from ShareGPT, fp32: token for
+    """10 MT-Bench prompts x 128 new tokens, the shipped head, a trie from ShareGPT, fp32: token for
     token what `generate(do_sample=False)` produces (`assert_greedy`: one forward checks every token,
     `generate` only where that disagrees). The trained head accepts more than one draft per step, so
     deep keep-paths run on real weights, in about half the steps (and time) an untrained head needed.
@@ -263,12 +263,12 @@ def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokeniz
         prompt = smollm2_tokenizer.apply_chat_template(
             conversation.messages[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
-        out, stats = model.dart_generate(prompt, max_new_token_num=200, return_stats=True)
-        assert_greedy(model.base_model, prompt, out, 200, conversation.id)
+        out, stats = model.dart_generate(prompt, max_new_token_num=128, return_stats=True)
+        assert_greedy(model.base_model, prompt, out, 128, conversation.id)
         steps += stats.steps
         tokens += stats.new_tokens - 1
         accepted += sum(stats.accept_lengths)
-    assert tokens >= 500 and accepted > steps  # τ > 2: deep paths kept, not just roots
+    assert tokens >= 400 and accepted > steps  # τ > 2: deep paths kept, not just roots
 
 
 @pytest.mark.smollm2
