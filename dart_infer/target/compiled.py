@@ -74,7 +74,8 @@ def _fp32_linears_through_onednn() -> None:
     the weights at ~10 GB/s; oneDNN's, what vLLM-CPU calls too, at ~18 GB/s (fp32 SmolLM2-135M,
     compiled, 300 cached tokens: AR step 45.0 → 35.5 ms, 13-node verify 106 → 49 ms; with the kernels
     capped to AVX2, `scripts/cpu_isa.sh`: 50.5 → 39.5 and 116 → 75 ms). Both are fp32 GEMMs.
-    Inductor keeps the oneDNN branch for low-precision weights and AOT builds; this sends fp32 there."""
+    Inductor keeps the oneDNN branch for low-precision weights and AOT builds; this sends fp32 there,
+    process-wide, like the freezing setting above."""
     try:
         from torch._inductor.fx_passes import mkldnn_fusion
 
