@@ -13,24 +13,12 @@ fp32 there too) and ATen's bf16 `linear`. Median of `--repeats` passes; GB/s = w
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from bench_step import timed  # scripts/ is on the path when a script runs: its timer, two warm-ups first
 
 F = torch.nn.functional
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def kernels(rows: int, fp32: list, bf16: list, hidden: int) -> dict[str, Callable[[], None]]:
@@ -85,7 +73,7 @@ def main() -> None:
     with torch.inference_mode():
         for rows in args.rows:
             for name, fn in kernels(rows, fp32, bf16, args.hidden).items():
-                seconds = median_seconds(fn, args.repeats)
+                seconds = timed(fn, args.repeats)[0]  # the median wall time
                 size = weight_bytes // 2 if "bf16" in name else weight_bytes
                 print(f"| {rows} | {name} | {seconds * 1e3:.2f} | {size / seconds / 1e9:.1f} |", flush=True)
 
