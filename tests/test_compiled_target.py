@@ -141,3 +141,47 @@ def test_frozen_fp32_linears_run_on_onednn_not_mkl() -> None:
         out, (code, *_) = run_and_get_code(torch.compile(layer), x)
         torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
     assert "mkldnn._linear_pointwise" in code and "_mkl_linear" not in code
+
+
+@pytest.mark.parametrize(("avx512", "amx", "plain", "tree"), [
+    (False, False, "cpp", "cpp"),  # AVX2-only CPUs
+    (True, False, "cpp", "onednn"),  # AVX-512 without AMX (the EPYC)
+    (True, True, "onednn", "onednn"),  # AMX (Xeon): not measured with the template
+])
+def test_gemm_options_follow_the_machine_kind(monkeypatch, avx512, amx, plain, tree) -> None:
+    from dart_infer.target.compiled import GEMM_ENV, gemm_options
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.delenv(GEMM_ENV, raising=False)
+    for step, expected in (("plain", plain), ("tree", tree)):
+        assert bool(gemm_options(step)) == (expected == "cpp"), step
+    monkeypatch.setenv(GEMM_ENV, "onednn")
+    assert gemm_options("plain") == {}
+    monkeypatch.setenv(GEMM_ENV, "mkl")
+    with pytest.raises(ValueError, match="auto, cpp or onednn"):
+        gemm_options("plain")
+
+
+def test_cpp_template_gemms_are_lossless(monkeypatch) -> None:
+    """The AVX2 machines' path on any CPU: every compiled step's GEMMs through inductor's C++ template
+    (its micro-kernels in the generated code), fp32 greedy DART and AR still equal `generate`."""
+    from torch._inductor.utils import run_and_get_code
+
+    from dart_infer.target.compiled import GEMM_ENV, gemm_options, inductor_settings
+
+    monkeypatch.setenv(GEMM_ENV, "cpp")
+    inductor_settings()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.SiLU(), torch.nn.Linear(96, 32)).eval()
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        out, (code, *_) = run_and_get_code(torch.compile(layer, options=gemm_options("tree")), x)
+    torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
+    assert "kernel_micro_gemm" in code and "_linear_pointwise" not in code
+    base, head = tiny_pair("llama", draft_vocab_size=40)
+    model = compile_decoding(DartModel(base, head, tree=TreeSearchSettings(remain_total=6)), capacity=64)
+    for i in range(2):  # tree and draft steps (the plain step goes through the template in the first test, without AMX)
+        prompt = torch.randint(3, 48, (1, 5 + 30 * i), generator=torch.Generator().manual_seed(i))
+        assert torch.equal(model.dart_generate(prompt, max_new_token_num=24), reference(base, prompt, 24)), i

@@ -25,6 +25,7 @@ windows): `compile_target` says so in one line otherwise.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from transformers import StaticCache
 from dart_infer.target.adapter import TargetModel
 from dart_infer.target.attention import packed_gqa
 
-__all__ = ["CompiledTarget", "window_length"]
+__all__ = ["CompiledTarget", "gemm_options", "window_length"]
 
 _MIN_CAPACITY = 256
 _WINDOW_STEP = 64  # the attended cache length is a multiple of this
@@ -66,6 +67,51 @@ def inductor_settings() -> None:
     inductor_config.freezing = True
     inductor_config.cpp.enable_concat_linear = True
     _fp32_linears_through_onednn()
+    from torch._inductor import select_algorithm
+
+    selector = select_algorithm.get_algorithm_selector_cache()
+    if _cpp_template_where_it_applies not in selector.preprocessing_fns:  # process-wide, once
+        select_algorithm.add_preprocessing_fn(_cpp_template_where_it_applies)
+
+
+GEMM_ENV = "DART_COMPILED_GEMM"  # auto (the table below) | cpp | onednn: for A/B measurements
+# Inductor's own C++ GEMM template (weights packed at compile time, 256-bit micro-kernels) instead of
+# oneDNN. ATen stays a choice for GEMMs the template cannot take (a weight that is not a constant).
+_CPP_GEMMS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "cpp.simdlen": 256}
+
+
+def _cpp_template_where_it_applies(choices: list[Any]) -> list[Any]:
+    """Max-autotune's choices cut to the C++ template when it is one of them, so nothing is benchmarked:
+    inductor's benchmark reruns one GEMM with its weights in cache, not a decoding step's case, and
+    there picked oneDNN for 16 of 22 shapes (bf16, AVX-512 EPYC) that the template then won in the step."""
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+
+    def is_template(choice: Any) -> bool:  # CPU GEMM templates come wrapped (DataProcessorChoiceCallerWrapper)
+        return isinstance(getattr(choice, "_wrapped", choice), CppTemplateCaller)
+
+    return [choice for choice in choices if is_template(choice)] or choices
+
+
+def gemm_options(step: str) -> dict[str, Any]:
+    """`torch.compile` options for the GEMMs of one kind of compiled step: "plain" (one row) or "tree"
+    (a verified tree, the draft step: 7-25 rows). Measured per machine kind (SmolLM2-135M, 300
+    cached tokens, AR step / 7-node verify in ms; oneDNN → C++ template):
+    - AVX2 only (kernels capped to AVX2 on the AVX-512 EPYC, `scripts/cpu_isa.sh`), fp32: 35.1 → 17.3 and
+      52.8 → 32.6: the template reads the weights at ~31 GB/s, oneDNN's fp32 kernels at ~15;
+    - AVX-512 without AMX (the EPYC), bf16: 23.7 → 12.0, but 22.9 → 26.2; fp32: 36.7 → 23.2, 36.5 → 36.0.
+      So the template runs the plain step there, oneDNN the trees;
+    - AMX (Xeon): not measured with the template; oneDNN (AMX kernels) stays."""
+    choice = os.environ.get(GEMM_ENV, "auto")
+    if choice not in ("auto", "cpp", "onednn"):
+        raise ValueError(f"{GEMM_ENV}={choice!r}: use auto, cpp or onednn")
+    if choice == "auto":
+        if torch.cpu._is_amx_tile_supported():
+            choice = "onednn"
+        elif not torch.cpu._is_avx512_supported():
+            choice = "cpp"
+        else:
+            choice = "cpp" if step == "plain" else "onednn"
+    return dict(_CPP_GEMMS) if choice == "cpp" else {}
 
 
 def _fp32_linears_through_onednn() -> None:
@@ -126,8 +172,8 @@ class CompiledTarget(TargetModel):
         # limit (8 per function) stops `dart-eval action=fit_tree compile=true` over five sizes or more.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 6 * len(self.tree_sizes) + 8)
         # One compiled function per step kind, one graph per tree size, each over a symbolic window.
-        self._step = torch.compile(self._plain_step, fullgraph=True, dynamic=None)
-        self._tree_step = torch.compile(self._tree_forward, fullgraph=True, dynamic=None)
+        self._step = torch.compile(self._plain_step, fullgraph=True, dynamic=None, options=gemm_options("plain"))
+        self._tree_step = torch.compile(self._tree_forward, fullgraph=True, dynamic=None, options=gemm_options("tree"))
 
     # ------------------------------------------------------------------------------------- cache
     def new_cache(self) -> StaticCache:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dart_infer.methods.draft_head import DraftKVCache
-from dart_infer.target.compiled import inductor_settings, window_length
+from dart_infer.target.compiled import gemm_options, inductor_settings, window_length
 
 __all__ = ["CompiledDraftStep", "StaticDraftCache"]
 
@@ -67,7 +67,7 @@ class CompiledDraftStep:
         self.draft, self.max_new, self.capacity = draft, int(max_new), int(capacity)
         self.num_masks = int(draft.config.draft_length) - 1
         inductor_settings()
-        self._step = torch.compile(self._forward, fullgraph=True, dynamic=None)
+        self._step = torch.compile(self._forward, fullgraph=True, dynamic=None, options=gemm_options("tree"))
 
     @torch.inference_mode()
     def compile_now(self) -> None:
