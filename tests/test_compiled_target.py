@@ -10,7 +10,7 @@ from helpers import reference, tiny_pair
 
 from dart_infer import DartModel, TreeSearchSettings, compile_decoding
 from dart_infer.target.adapter import TargetModel
-from dart_infer.target.compiled import CompiledTarget
+from dart_infer.target.compiled import GEMM_ENV, CompiledTarget
 
 WIDE = TreeSearchSettings(draft_top_k=48, beam_width=20, remain_total=40)
 pytestmark = pytest.mark.slow  # each test compiles graphs: 30-70 s on 2 cores
@@ -40,7 +40,8 @@ def test_compiled_greedy_equals_generate_through_growth_and_reuse() -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
 
 
-def test_compiled_decoding_refuses_what_it_cannot_run() -> None:
+def test_compiled_decoding_refuses_what_it_cannot_run(monkeypatch) -> None:
+    monkeypatch.setenv(GEMM_ENV, "onednn")  # sizes and refusals here, whatever the GEMMs (the template compiles slower)
     base, head = tiny_pair("gemma3")
     for background in (False, True):  # refused at once, not in the compiling thread
         with pytest.raises(ValueError, match="sliding-window"):
@@ -63,10 +64,12 @@ def test_compiled_decoding_refuses_what_it_cannot_run() -> None:
         target.verify(tree, torch.zeros(6, dtype=torch.long), torch.eye(6, dtype=torch.bool), cache)
 
 
-def test_fit_tree_on_the_compiled_step_verifies_each_setting_at_its_own_size() -> None:
+def test_fit_tree_on_the_compiled_step_verifies_each_setting_at_its_own_size(monkeypatch) -> None:
     """`dart-eval action=fit_tree compile=true`: the compiled target gets each setting's tree sizes, so a
     setting is timed padded to its own size (not the grid's largest), and the fit stays lossless."""
     from dart_infer.evaluation.tree_fit import fit_tree, tree_sizes
+
+    monkeypatch.setenv(GEMM_ENV, "onednn")  # sizes, whatever the GEMMs (the template compiles slower)
 
     torch.set_num_threads(1)
     base, head = tiny_pair("llama", draft_vocab_size=40)
@@ -149,7 +152,7 @@ def test_frozen_fp32_linears_run_on_onednn_not_mkl() -> None:
     (True, True, "onednn", "onednn"),  # AMX (Xeon): not measured with the template
 ])
 def test_gemm_options_follow_the_machine_kind(monkeypatch, avx512, amx, plain, tree) -> None:
-    from dart_infer.target.compiled import GEMM_ENV, gemm_options
+    from dart_infer.target.compiled import gemm_options
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
@@ -168,7 +171,7 @@ def test_cpp_template_gemms_are_lossless(monkeypatch) -> None:
     (its micro-kernels in the generated code), fp32 greedy DART and AR still equal `generate`."""
     from torch._inductor.utils import run_and_get_code
 
-    from dart_infer.target.compiled import GEMM_ENV, gemm_options, inductor_settings
+    from dart_infer.target.compiled import gemm_options, inductor_settings
 
     monkeypatch.setenv(GEMM_ENV, "cpp")
     inductor_settings()
