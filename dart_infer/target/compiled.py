@@ -98,7 +98,8 @@ def gemm_options(step: str) -> dict[str, Any]:
     cached tokens, AR step / 7-node verify in ms; oneDNN → C++ template):
     - AVX2 only (kernels capped to AVX2 on the AVX-512 EPYC, `scripts/cpu_isa.sh`), fp32: 35.1 → 17.3 and
       52.8 → 32.6: the template reads the weights at ~31 GB/s, oneDNN's fp32 kernels at ~15;
-    - AVX-512 without AMX (the EPYC), bf16: 23.7 → 12.0, but 22.9 → 26.2; fp32: 36.7 → 23.2, 36.5 → 36.0.
+    - AVX-512 without AMX (the EPYC), bf16, interleaved in one process: 21.5 → 14.1, but 24.1 → 27.0;
+      fp32 (separate processes): 36.7 → 23.2, 36.5 → 36.0.
       So the template runs the plain step there, oneDNN the trees;
     - AMX (Xeon): not measured with the template; oneDNN (AMX kernels) stays."""
     choice = os.environ.get(GEMM_ENV, "auto")
