@@ -67,9 +67,12 @@ def inductor_settings() -> None:
     inductor_config.freezing = True
     inductor_config.cpp.enable_concat_linear = True
     _fp32_linears_through_onednn()
-    from torch._inductor import select_algorithm
+    try:
+        from torch._inductor import select_algorithm
 
-    selector = select_algorithm.get_algorithm_selector_cache()
+        selector = select_algorithm.get_algorithm_selector_cache()
+    except (ImportError, AttributeError):  # another torch's internals: max-autotune benchmarks as usual
+        return
     if _cpp_template_where_it_applies not in selector.preprocessing_fns:  # process-wide, once
         select_algorithm.add_preprocessing_fn(_cpp_template_where_it_applies)
 
