@@ -16,7 +16,8 @@ WIDE = TreeSearchSettings(draft_top_k=48, beam_width=20, remain_total=40)
 pytestmark = pytest.mark.slow  # each test compiles graphs: 30-70 s on 2 cores
 
 
-def test_compiled_greedy_equals_generate_through_growth_and_reuse() -> None:
+def test_compiled_greedy_equals_generate_through_growth_and_reuse(monkeypatch) -> None:
+    monkeypatch.setenv(GEMM_ENV, "onednn")  # the template's steps: test_cpp_template_gemms_are_lossless
     torch.set_num_threads(1)
     base, head = tiny_pair("qwen3", draft_vocab_size=40)
     model = compile_decoding(DartModel(base, head, tree=WIDE), capacity=64)
@@ -184,7 +185,9 @@ def test_cpp_template_gemms_are_lossless(monkeypatch) -> None:
     torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
     assert "kernel_micro_gemm" in code and "_linear_pointwise" not in code
     base, head = tiny_pair("llama", draft_vocab_size=40)
-    model = compile_decoding(DartModel(base, head, tree=TreeSearchSettings(remain_total=6)), capacity=64)
-    for i in range(2):  # tree and draft steps (the plain step goes through the template in the first test, without AMX)
+    model = compile_decoding(DartModel(base, head, tree=TreeSearchSettings(remain_total=6)), capacity=64, plain=True)
+    for i in range(2):  # the plain, tree and draft steps
         prompt = torch.randint(3, 48, (1, 5 + 30 * i), generator=torch.Generator().manual_seed(i))
-        assert torch.equal(model.dart_generate(prompt, max_new_token_num=24), reference(base, prompt, 24)), i
+        expected = reference(base, prompt, 24)
+        assert torch.equal(model.dart_generate(prompt, max_new_token_num=24), expected), i
+        assert torch.equal(model.ar_generate(prompt, max_new_token_num=24), expected), i
