@@ -13,6 +13,7 @@ corrupted entry is detected and rebuilt.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -218,7 +219,7 @@ def _convert_gguf(
     `chat_template`: a built-in template for a tokenizer the GGUF gives none (base models);
     `end_of_turn_tokens`: tokens that end its turns, appended to the generation config's EOS ids."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("Converting %s into a transformers checkpoint at %s (one time).", gguf.name, target)
     with atomic_directory(target) as staging:
@@ -229,7 +230,9 @@ def _convert_gguf(
 
             tokenizer.chat_template = builtin_chat_template(chat_template)
         # A GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config and weights.
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # Its config is what AutoConfig reads from the GGUF (checked equal for both embedded models), without
+        # parsing the file a third time (13 s for Gemma 3's 262k-token vocabulary on a 2-core EPYC).
+        config = copy.deepcopy(loaded.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = torch.float32
