@@ -10,7 +10,7 @@ from helpers import reference, tiny_pair
 
 from dart_infer import DartModel, TreeSearchSettings, compile_decoding
 from dart_infer.target.adapter import TargetModel
-from dart_infer.target.compiled import GEMM_ENV, CompiledTarget
+from dart_infer.target.compiled import GEMM_ENV, CompiledTarget, gemm_options, inductor_settings
 
 WIDE = TreeSearchSettings(draft_top_k=48, beam_width=20, remain_total=40)
 pytestmark = pytest.mark.slow  # each test compiles graphs: 30-70 s on 2 cores
@@ -135,8 +135,6 @@ def test_frozen_fp32_linears_run_on_onednn_not_mkl() -> None:
     slower per step on the 2-core EPYCs), and give the eager linear's output."""
     from torch._inductor.utils import run_and_get_code
 
-    from dart_infer.target.compiled import inductor_settings
-
     inductor_settings()
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.SiLU(), torch.nn.Linear(96, 32)).eval()
@@ -153,8 +151,6 @@ def test_frozen_fp32_linears_run_on_onednn_not_mkl() -> None:
     (True, True, "onednn", "onednn"),  # AMX (Xeon): not measured with the template
 ])
 def test_gemm_options_follow_the_machine_kind(monkeypatch, avx512, amx, plain, tree) -> None:
-    from dart_infer.target.compiled import gemm_options
-
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.delenv(GEMM_ENV, raising=False)
@@ -171,8 +167,6 @@ def test_cpp_template_gemms_are_lossless(monkeypatch) -> None:
     """The AVX2 machines' path on any CPU: every compiled step's GEMMs through inductor's C++ template
     (its micro-kernels in the generated code), fp32 greedy DART and AR still equal `generate`."""
     from torch._inductor.utils import run_and_get_code
-
-    from dart_infer.target.compiled import gemm_options, inductor_settings
 
     monkeypatch.setenv(GEMM_ENV, "cpp")
     inductor_settings()
