@@ -396,6 +396,7 @@ def test_vllm_serve_streams_the_dart_heads_chat_losslessly(fitted_dart, vllm_tar
     assert json.loads(spec_text)["num_speculative_tokens_per_batch_size"] == [
         [1, SERVE_MAX_BATCH, ROWS], [SERVE_MAX_BATCH + 1, 1 << 20, 0]]
     port, env, wrapper = free_port(), vllm_env(), str(ROOT / "scripts" / "vllm_env.sh")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # served as users serve: engine-core and worker processes
     # What a user runs: vllm serve <target> --speculative-config "$(cat <export>/vllm_speculative_config.json)"
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
