@@ -473,7 +473,8 @@ def test_smollm2_side_by_side_dart_equals_plain_decoding(browser, smollm2_dir, t
     head = DartDraftModel(DartDraftConfig.from_target_config(config, draft_length=4, draft_vocab_size=64)).eval()
     head.set_vocab_mapping(torch.arange(64))
     head.save_pretrained(tmp_path / "head")
-    overrides = [f"draft_model={tmp_path / 'head'}", "serve_dtype=float32", "max_new_tokens=24"]
+    # The fixed fp32 tree: tree=auto would first time a tree per size on SmolLM2 (~35 s; test_fitted_tree tests it).
+    overrides = [f"draft_model={tmp_path / 'head'}", "serve_dtype=float32", "tree=cpu-fp32", "max_new_tokens=24"]
     with serving(overrides, tmp_path / "run", timeout=300) as url:
         _open(browser, url)
         _tab(browser, "Side by side")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,8 @@ def test_converted_checkpoint_matches_gguf_logits(smollm2_dir: str) -> None:
 @pytest.mark.smollm2
 def test_cache_is_reused_and_a_corrupt_entry_is_rebuilt(tmp_path: Path, monkeypatch, smollm2_dir: str) -> None:
     monkeypatch.setenv(assets.CACHE_ENV, str(tmp_path))
+    # A valid entry, copied from the session's cache (converting costs ~20 s of CPU; the rebuild below converts).
+    shutil.copytree(smollm2_dir, tmp_path / "models" / "smollm2-135m-instruct")
     first = Path(assets.resolve_model("smollm2-135m-instruct"))
     assert first.parent.parent == tmp_path
     weights = first / "model.safetensors"
