@@ -36,4 +36,11 @@ def init_distributed() -> None:
         )
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        # DeepSpeed's CPU backend JIT-builds its shared-memory all-reduce op here (26 s on a fresh machine,
+        # every fresh clone's first dart-train) for `inference_all_reduce`, which training never calls;
+        # marked unavailable, the build is skipped (DeepSpeed keeps this dict for such edits).
+        from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     deepspeed.init_distributed(dist_backend=backend)
