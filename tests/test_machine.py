@@ -11,7 +11,7 @@ import torch
 from dart_infer.common import machine
 from dart_infer.common.dtypes import resolve_dtype
 
-BF16_KERNELS = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+BF16_KERNELS = machine.cpu_has_bf16_kernels()
 
 
 @pytest.fixture
@@ -58,7 +58,12 @@ def test_a_missing_or_foreign_measurement_is_measured_again_and_saved(fresh_cach
     assert pays == (saved["bf16_share"] <= machine.BF16_MUST_BEAT) == saved["bf16"]
 
 
-def test_without_bf16_kernels_auto_is_float32_and_nothing_is_measured(fresh_cache, monkeypatch) -> None:
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+@pytest.mark.parametrize("missing", ["onednn_bf16", "avx512"])
+def test_without_bf16_kernels_auto_is_float32_and_nothing_is_measured(fresh_cache, monkeypatch, missing) -> None:
+    if missing == "onednn_bf16":
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    else:  # an AVX2-only CPU as `scripts/cpu_isa.sh avx2` presents one
+        monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    assert not machine.cpu_has_bf16_kernels()
     monkeypatch.setattr(machine, "measure_bf16", lambda **_: pytest.fail("measured without bf16 kernels"))
     assert resolve_dtype("auto") == torch.float32 and not fresh_cache.exists()

@@ -25,7 +25,7 @@ import torch
 
 from dart_infer.common.files import atomic_write_bytes
 
-__all__ = ["BF16_MUST_BEAT", "cpu_bf16_pays", "cpu_fingerprint", "machine_cache_dir", "machine_cache_file", "measure_bf16"]
+__all__ = ["BF16_MUST_BEAT", "cpu_bf16_pays", "cpu_fingerprint", "cpu_has_bf16_kernels", "machine_cache_dir", "machine_cache_file", "measure_bf16"]
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +119,18 @@ def _read(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
     return saved if isinstance(saved.get("bf16_share"), int | float) else None
 
 
+def cpu_has_bf16_kernels() -> bool:
+    """Whether this CPU has oneDNN's bfloat16 kernels (AVX-512 and up); AVX2-only CPUs run bf16 matmuls
+    through slow fallbacks. The AVX-512 check makes `scripts/cpu_isa.sh avx2` answer as those CPUs do."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                and torch.cpu._is_avx512_supported())
+
+
 @functools.cache
 def cpu_bf16_pays() -> bool:
     """Whether bfloat16 decoding steps are clearly faster than float32 on this CPU (measured once per
     fingerprint, then read from the cache file)."""
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not cpu_has_bf16_kernels():
         return False  # no bf16 kernels at all (AVX2-only CPUs): nothing to measure
     fingerprint = cpu_fingerprint()
     path = machine_cache_file(fingerprint)
