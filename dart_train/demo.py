@@ -129,13 +129,35 @@ def _taus(result: dict) -> str:
     return f"τ {result['tau']:.2f}{served}"
 
 
+def machine_overrides(cfg: DictConfig, dtype: str) -> list[str]:
+    """The eval stage's settings fitted to this machine (before the demo's own `eval_overrides`, which win).
+
+    `compile: auto` compiles where DART is served in float32 on a CPU: there an eager tree verification
+    costs more than DART saves (AVX2 kernels: DART 0.84x eager AR), while the compiled steps make it
+    ~2x, and the compile is paid back within the stage. The plain baselines skip bfloat16 on CPUs
+    without bf16 kernels (AVX2-only), which would run it through slow fallbacks for minutes."""
+    from dart_infer.common.dtypes import default_device
+    from dart_infer.common.machine import cpu_has_bf16_kernels
+
+    on_cpu = default_device().type == "cpu"
+    compiled = str(cfg.compile).lower()
+    if compiled == "auto":
+        compiled = str(on_cpu and dtype == "float32").lower()
+    overrides = [f"compile={compiled}"]
+    if on_cpu and not cpu_has_bf16_kernels():
+        overrides.append("baseline_dtypes=[float32]")
+    return overrides
+
+
 def eval_config(cfg: DictConfig, head: Path | str, trie: Path) -> DictConfig:
     """dart-eval's config for the demo's last stage: its overrides, the head and trie just made, DART
-    in `serve_dtype`, the plain baselines in eval's `baseline_dtypes`."""
+    in `serve_dtype`, the plain baselines in eval's `baseline_dtypes` (`machine_overrides`)."""
     from dart_infer.cli.eval import tree_file_overrides
 
-    overrides = [*cfg.eval_overrides, f"draft_model={head}", f"ngram_model={trie}", f"out_dir={Path(cfg.out_dir) / 'eval'}"]
-    return _compose("eval", cfg, tree_file_overrides(overrides), dtype=serve_dtype(cfg))
+    dtype = serve_dtype(cfg)
+    overrides = [*machine_overrides(cfg, dtype), *cfg.eval_overrides, f"draft_model={head}", f"ngram_model={trie}",
+                 f"out_dir={Path(cfg.out_dir) / 'eval'}"]
+    return _compose("eval", cfg, tree_file_overrides(overrides), dtype=dtype)
 
 
 @hydra_app("demo")
@@ -159,7 +181,8 @@ def main(cfg: DictConfig) -> None:
           EMBEDDED_HEADS else "") + ": the τ below is real decoding on MT-Bench with the serving tree", flush=True)
     eval_cfg = eval_config(cfg, head, trie)
     print(f"[demo 3/3] evaluating on {list(eval_cfg.benchmarks)} (limit {eval_cfg.limit}), DART in "
-          f"{eval_cfg.model.dtype}, plain decoding also in {list(eval_cfg.baseline_dtypes)}", flush=True)
+          f"{eval_cfg.model.dtype}{' (compiled steps: compile=true)' if eval_cfg.compile else ''}, plain decoding "
+          f"also in {list(eval_cfg.baseline_dtypes)}", flush=True)
     run_eval(eval_cfg)
     print(f"head served: {head}\nhead trained: {trained}\ntrie: {trie}\nresults: {Path(cfg.out_dir) / 'eval'}",
           flush=True)

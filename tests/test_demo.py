@@ -1,0 +1,41 @@
+"""`dart-demo`'s evaluation stage fitted to the machine (`dart_train.demo.machine_overrides`): compiled
+steps where DART is served in float32 on a CPU, no bfloat16 baselines where the CPU has no bf16 kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def eval_stage(*overrides: str):
+    """The demo's eval-stage config, composed as `dart-demo <overrides>` composes it."""
+    from hydra import compose, initialize_config_dir
+
+    from dart_infer.common.configs import configs_dir
+    from dart_train.demo import eval_config
+
+    with initialize_config_dir(config_dir=str(configs_dir()), version_base="1.3"):
+        demo = compose(config_name="demo", overrides=["out_dir=/tmp/demo", *overrides])
+        return eval_config(demo, "dart-smollm2-135m-instruct", Path("trie.ngt"))
+
+
+@pytest.mark.parametrize(("overrides", "compiled"), [
+    (["serve_dtype=float32"], True),  # auto: float32 on a CPU
+    (["serve_dtype=bfloat16"], False),
+    (["serve_dtype=float32", "compile=false"], False),
+    (["serve_dtype=bfloat16", "compile=true"], True),
+])
+def test_compile_auto_compiles_float32_serving_on_a_cpu(overrides: list[str], compiled: bool) -> None:
+    stage = eval_stage(*overrides)
+    assert stage.compile is compiled and stage.model.dtype == overrides[0].split("=")[1]
+
+
+def test_bfloat16_baselines_only_where_the_cpu_has_bf16_kernels(monkeypatch) -> None:
+    from dart_infer.common.machine import cpu_has_bf16_kernels
+
+    if cpu_has_bf16_kernels():
+        assert list(eval_stage("serve_dtype=float32").baseline_dtypes) == ["float32", "bfloat16"]
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)  # an AVX2-only CPU
+    assert list(eval_stage("serve_dtype=float32").baseline_dtypes) == ["float32"]
