@@ -41,9 +41,13 @@ REAL_MODEL_FIXTURES = {"smollm2_dir": "smollm2", "smollm2_tokenizer": "smollm2",
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark every test that uses a real model's fixture (its closure includes indirect uses).
 
-    Under `make test` (pytest-xdist, `--dist loadgroup`) a worker takes a whole group at a time: each
-    test's group is its module, so module fixtures are built once, unless the test names a group of
-    its own (`xdist_group`), as the halves of a long test do so that both workers can share it."""
+    Meant for `make test` (pytest-xdist, `--dist loadgroup`): a worker takes a whole group at a time, each
+    test's group its module (module fixtures built once), unless the test names a group of its own
+    (`xdist_group`), as the halves of a long test do. Not in effect with the pinned pytest 9.2 and
+    pytest-xdist 3.8: xdist groups by a suffix it appends to `item._nodeid`, which pytest 9.2's
+    `nodeid` (built from `_id`) no longer reads, so every test is scheduled on its own and a module's
+    fixtures are built by each worker that runs one of its tests (test_gemma3's conversion ran on both).
+    The suite's measured times are with that scheduling."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
