@@ -132,17 +132,23 @@ def _taus(result: dict) -> str:
 def machine_overrides(cfg: DictConfig, dtype: str) -> list[str]:
     """The eval stage's settings fitted to this machine (before the demo's own `eval_overrides`, which win).
 
-    `compile: auto` compiles where DART is served in float32 on a CPU: there an eager tree verification
-    costs more than DART saves (AVX2 kernels: DART 0.84x eager AR), while the compiled steps make it
-    ~2x, and the compile is paid back within the stage. The plain baselines skip bfloat16 on CPUs
-    without bf16 kernels (AVX2-only), which would run it through slow fallbacks for minutes."""
+    `compile: auto` compiles where DART is served in float32 on a CPU and the target can be compiled
+    (full attention): there an eager tree verification costs more than DART saves (AVX2 kernels: DART
+    0.84x eager AR), while the compiled steps make it ~2x, and the compile is paid back within the
+    stage. The plain baselines skip bfloat16 on CPUs without bf16 kernels (AVX2-only), which would run
+    it through slow fallbacks for minutes."""
+    from transformers import AutoConfig
+
     from dart_infer.common.dtypes import default_device
     from dart_infer.common.machine import cpu_has_bf16_kernels
+    from dart_infer.data.assets import resolve_model
+    from dart_infer.target.compiled import compilable
 
     on_cpu = default_device().type == "cpu"
     compiled = str(cfg.compile).lower()
     if compiled == "auto":
-        compiled = str(on_cpu and dtype == "float32").lower()
+        compiled = str(on_cpu and dtype == "float32" and compilable(
+            AutoConfig.from_pretrained(resolve_model(str(cfg.model.name_or_path))))).lower()
     overrides = [f"compile={compiled}"]
     if on_cpu and not cpu_has_bf16_kernels():
         overrides.append("baseline_dtypes=[float32]")

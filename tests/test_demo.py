@@ -10,7 +10,8 @@ import torch
 
 
 def eval_stage(*overrides: str):
-    """The demo's eval-stage config, composed as `dart-demo <overrides>` composes it."""
+    """The demo's eval-stage config, composed as `dart-demo <overrides>` composes it (`compile: auto` reads
+    the model's config: the tests that reach it ask for the model's fixture)."""
     from hydra import compose, initialize_config_dir
 
     from dart_infer.common.configs import configs_dir
@@ -27,12 +28,18 @@ def eval_stage(*overrides: str):
     (["serve_dtype=float32", "compile=false"], False),
     (["serve_dtype=bfloat16", "compile=true"], True),
 ])
-def test_compile_auto_compiles_float32_serving_on_a_cpu(overrides: list[str], compiled: bool) -> None:
+def test_compile_auto_compiles_float32_serving_on_a_cpu(smollm2_dir: str, overrides: list[str], compiled: bool) -> None:
     stage = eval_stage(*overrides)
     assert stage.compile is compiled and stage.model.dtype == overrides[0].split("=")[1]
 
 
-def test_bfloat16_baselines_only_where_the_cpu_has_bf16_kernels(monkeypatch) -> None:
+@pytest.mark.gemma3
+def test_compile_auto_leaves_a_sliding_window_target_eager(gemma3_dir: str) -> None:
+    stage = eval_stage("model=gemma3-270m", "serve_dtype=float32")
+    assert stage.compile is False and stage.model.dtype == "float32"
+
+
+def test_bfloat16_baselines_only_where_the_cpu_has_bf16_kernels(smollm2_dir: str, monkeypatch) -> None:
     from dart_infer.common.machine import cpu_has_bf16_kernels
 
     if cpu_has_bf16_kernels():

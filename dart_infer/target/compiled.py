@@ -35,7 +35,7 @@ from transformers import StaticCache
 from dart_infer.target.adapter import TargetModel
 from dart_infer.target.attention import packed_gqa
 
-__all__ = ["CompiledTarget", "gemm_options", "window_length"]
+__all__ = ["CompiledTarget", "compilable", "gemm_options", "window_length"]
 
 _MIN_CAPACITY = 256
 _WINDOW_STEP = 64  # the attended cache length is a multiple of this
@@ -48,6 +48,12 @@ class _DecodingCache(StaticCache):
     def get_seq_length(self, layer_idx: int = 0) -> Any:
         length = super().get_seq_length(layer_idx)
         return length.clone() if isinstance(length, torch.Tensor) else length
+
+
+def compilable(config: Any) -> bool:
+    """Whether a target with this (transformers) config can be compiled: full attention only, no
+    sliding-window layers (the static cache holds every position)."""
+    return not getattr(config, "sliding_window", None)
 
 
 def window_length(length: int, capacity: int) -> int:
@@ -163,7 +169,7 @@ class CompiledTarget(TargetModel):
         capacity: int = 1024,
     ) -> None:
         super().__init__(model, layer_ids)
-        if self.sliding_window:
+        if not compilable(self.config):
             raise ValueError("compiled decoding needs a full-attention target; this one has sliding-window layers")
         if not tree_sizes or min(tree_sizes) < 1:
             raise ValueError(f"tree_sizes must be node counts >= 1, got {tree_sizes}")
