@@ -33,6 +33,12 @@ from dart_infer.target.step_cost import GrowingLayer
 _TREE_MASK_BACKENDS = ("sdpa", "eager")
 
 
+def config_sliding_window(config: Any) -> int | None:
+    """The window of a target config's sliding-window layers (None: full attention everywhere)."""
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
 def aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """Layers whose INPUTS feed the draft head: (2, L//2, L-3) of an L-layer target.
 
@@ -193,8 +199,7 @@ class TargetModel:
     @property
     def sliding_window(self) -> int | None:
         """The window of the target's sliding-window layers (None: full attention everywhere)."""
-        window = getattr(self.config, "sliding_window", None)
-        return int(window) if window else None
+        return config_sliding_window(self.config)
 
     def _layer_kinds(self) -> list[str]:
         """Per decoder layer: "full_attention" or "sliding_attention" (transformers' layer_types)."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import StaticCache
 
-from dart_infer.target.adapter import TargetModel
+from dart_infer.target.adapter import TargetModel, config_sliding_window
 from dart_infer.target.attention import packed_gqa
 
 __all__ = ["CompiledTarget", "compilable", "gemm_options", "window_length"]
@@ -53,7 +53,7 @@ class _DecodingCache(StaticCache):
 def compilable(config: Any) -> bool:
     """Whether a target with this (transformers) config can be compiled: full attention only, no
     sliding-window layers (the static cache holds every position)."""
-    return not getattr(config, "sliding_window", None)
+    return config_sliding_window(config) is None
 
 
 def window_length(length: int, capacity: int) -> int:
