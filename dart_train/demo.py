@@ -142,13 +142,13 @@ def machine_overrides(cfg: DictConfig, dtype: str) -> list[str]:
     from dart_infer.common.dtypes import default_device
     from dart_infer.common.machine import cpu_has_bf16_kernels
     from dart_infer.data.assets import resolve_model
-    from dart_infer.target.compiled import compilable
+    from dart_infer.decoding.compile import compile_pays
 
     on_cpu = default_device().type == "cpu"
     compiled = str(cfg.compile).lower()
-    if compiled == "auto":
-        compiled = str(on_cpu and dtype == "float32" and compilable(
-            AutoConfig.from_pretrained(resolve_model(str(cfg.model.name_or_path))))).lower()
+    if compiled == "auto":  # bf16 DART pays eagerly too: the demo's minutes go to compiling only where it must
+        compiled = str(dtype == "float32" and compile_pays(
+            AutoConfig.from_pretrained(resolve_model(str(cfg.model.name_or_path))), default_device())).lower()
     overrides = [f"compile={compiled}"]
     if on_cpu and not cpu_has_bf16_kernels():
         overrides.append("baseline_dtypes=[float32]")

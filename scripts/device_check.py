@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "timings": summary["timings"],
     }
 
-    # 3. Evaluation with the paper's tree.
+    # 3. Evaluation with the paper's tree, eager: the GPU's loop (compile=auto compiles only on CPUs, so
+    #    it would turn a --dry-run into minutes of compiling the CPU path).
     _, seconds = run_stage("eval", [
-        *model, f"hardware={hardware}", "tree=gpu", f"draft_model={train_dir / 'head'}",
+        *model, f"hardware={hardware}", "tree=gpu", "compile=false", f"draft_model={train_dir / 'head'}",
         f"ngram_model={work / 'ngram' / 'full.ngt'}", f"benchmarks=[{prompts}]", f"limit={size['limit']}",
         f"max_new_tokens={size['max_new_tokens']}", "temperature=[0.0]", f"out_dir={work / 'eval'}",
     ], out, work)
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         os.environ["VLLM_VENV"] = str(venv)
         _, seconds = run_stage("eval", [
-            *model, f"hardware={hardware}", "tree=gpu", f"draft_model={train_dir / 'head'}",
+            *model, f"hardware={hardware}", "tree=gpu", "compile=false", f"draft_model={train_dir / 'head'}",
             f"ngram_model={work / 'ngram' / 'full.ngt'}", f"benchmarks=[{prompts}]", f"limit={size['limit']}",
             f"max_new_tokens={size['max_new_tokens']}", "temperature=[0.0]", f"out_dir={work / 'eval-vllm'}",
             "methods=[ar,dart,vllm,vllm_ngram,vllm_dart]", "baseline_dtypes=[]", "model.dtype=bfloat16",

@@ -334,8 +334,11 @@ def check_first_step_follows_the_target(model: Any, generate: Any, temperature: 
 
 
 def run_dart_eval(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The `dart-eval` console script with `args`, as a user runs it."""
+    """The `dart-eval` console script with `args`, as a user runs it; eager decoding unless `args` say
+    `compile=...` (the default, auto, compiles on CPUs: minutes these tests do not test)."""
     script = str(Path(sys.executable).parent / "dart-eval")
+    if not any(arg.startswith("compile=") for arg in args):
+        args = (*args, "compile=false")
     return subprocess.run([script, *args], capture_output=True, text=True, cwd=cwd, timeout=600,
                           env={**os.environ, "HYDRA_FULL_ERROR": "1"})
 

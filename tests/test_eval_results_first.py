@@ -35,7 +35,7 @@ def eval_cfg(root: Path, out_dir: Path, *overrides: str) -> DictConfig:
         return compose("eval", overrides=[
             "model=custom", f"model.name_or_path={root / 'base'}", f"draft_model={root / 'head'}",
             f"ngram_model={root / 'tiny.trie'}", "benchmarks=[mtbench]", "limit=2", "multi_turn=true",
-            "max_new_tokens=6", "temperature=0", "baseline_dtypes=[]", "methods=[ar,dart]",
+            "max_new_tokens=6", "temperature=0", "baseline_dtypes=[]", "methods=[ar,dart]", "compile=false",
             f"out_dir={out_dir}", *overrides,
         ])
 

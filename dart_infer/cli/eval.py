@@ -36,6 +36,7 @@ from dart_infer.cli.eval_checks import (
     check_count,
     check_eval_inputs,
     check_out_dir,
+    resolve_compile,
     run_settings,
 )
 from dart_infer.common.dtypes import dtype_name
@@ -266,6 +267,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
     )
     _dtypes(cfg)  # bad dtype names fail here, before the model loads
     _check_tree_file(cfg)
+    resolve_compile(cfg)
     store = RecordStore.open(cfg.out_dir, run_settings(cfg, trie, settings))  # other settings: refused
     units = [unit for name, conversations in benchmarks.items() for unit in settings.units(name, conversations)]
     done = store.count(units)
@@ -338,6 +340,7 @@ def run_fit_tree(cfg: DictConfig) -> Path:
     conversations = benchmark_conversations(benchmark_names(cfg)[0], cfg.fit.prompts)
     eagle3 = str(cfg.fit.get("method", "dart")) == "eagle3"
     trie = None if eagle3 else resolve_trie(cfg)
+    resolve_compile(cfg)
     model = load_model(cfg, trie)
     if eagle3:  # EAGLE-3's dynamic tree on the same target (fit.eagle3_grid)
         model = load_eagle3(OmegaConf.merge(cfg, {"methods": ["eagle3"]}), model)

@@ -61,6 +61,27 @@ def check_eval_inputs(cfg: DictConfig) -> None:
     check_out_dir(cfg.out_dir)
 
 
+def resolve_compile(cfg: DictConfig) -> bool:
+    """`compile` as true/false: `auto` is `compile_pays` for the model on this device (compiled on CPUs
+    for full-attention targets). Written back into `cfg`, so the records and the fit say what ran."""
+    choice = cfg.get("compile", False)
+    if choice not in (True, False, "auto"):
+        raise InputError(f"compile={choice}: use true, false or auto (compiled where it is faster)")
+    if choice == "auto":
+        from transformers import AutoConfig
+
+        from dart_infer.common.dtypes import default_device
+        from dart_infer.data.assets import resolve_model
+        from dart_infer.decoding.compile import compile_pays
+
+        config = AutoConfig.from_pretrained(resolve_model(str(cfg.model.name_or_path)))
+        choice = compile_pays(config, default_device())
+        print(f"compile=auto: {'compiled' if choice else 'eager'} decoding steps on this "
+              f"{default_device().type} (compile=true|false to choose)", flush=True)
+    cfg.compile = bool(choice)
+    return cfg.compile
+
+
 def _files_stamp(value: Any) -> dict[str, int] | None:
     """Size and modification time of a local file or a directory's files: a head retrained in the
     same directory is a different head. None for names (embedded models, Hub ids)."""
