@@ -66,10 +66,15 @@ def timed_once(fn: Callable[[], object]) -> float:
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of the weights one forward reads: every parameter storage once (tied embeddings are one
     matrix, read by the lm_head; the embedding lookup itself reads one row)."""
+    from dart_infer.target.bf16_weights import Bf16WeightLinear
+
+    packed = [m for m in module.modules() if isinstance(m, Bf16WeightLinear)]  # they read their bf16 copy
+    read_packed = {m.weight.untyped_storage().data_ptr() for m in packed}
     seen: dict[int, int] = {}
     for param in module.parameters():
-        seen[param.untyped_storage().data_ptr()] = param.untyped_storage().nbytes()
-    return sum(seen.values())
+        if param.untyped_storage().data_ptr() not in read_packed:
+            seen[param.untyped_storage().data_ptr()] = param.untyped_storage().nbytes()
+    return sum(seen.values()) + sum(m.packed.untyped_storage().nbytes() for m in packed)
 
 
 class ForwardSplit:
@@ -253,6 +258,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--stock-attention", action="store_true", help="transformers' own SDPA path (its copy of "
                         "the cache per key/value group) instead of dart_infer.target.attention's packed one: the A/B")
+    parser.add_argument("--bf16-weights", action="store_true", help="float32 target with its linears' weights in "
+                        "bf16 (dart_infer.target.bf16_weights: half the bytes a step reads, for CPUs without bf16)")
     parser.add_argument("--compile", action="store_true", help="decode through dart_infer.target.compiled (static "
                         "cache, frozen inductor graphs); the forward's attention/MLP split is then not observable")
     args = parser.parse_args()
@@ -295,6 +302,10 @@ def main() -> None:
         DartDraftModel(config).save_pretrained(head)
     model = DartModel.from_pretrained(args.model, head, trie, dtype=dtype, tree=tree,
                                       chat_template=args.chat_template)
+    if args.bf16_weights:
+        from dart_infer.target.bf16_weights import use_bf16_weights
+
+        use_bf16_weights(model.base_model)
     if args.compile:
         from dart_infer.decoding.compile import compile_decoding
 
@@ -303,7 +314,7 @@ def main() -> None:
     bandwidth = memory_bandwidth(args.floor_gib)
     weights = weight_bytes(target.model)
     floor = weights / bandwidth
-    print(f"{args.model} {args.dtype}{' compiled' if args.compile else ''}"
+    print(f"{args.model} {args.dtype}{' (bf16 weights)' if args.bf16_weights else ''}{' compiled' if args.compile else ''}"
           f"{', stock attention' if args.stock_attention else ', packed GQA attention'}, {torch.get_num_threads()} thread(s), "
           f"{args.nodes}-node tree, {args.repeats} repeats; torch {torch.__version__}")
     print(f"floor: {weights / 1e6:.0f} MB of weights per forward at {bandwidth / 1e9:.1f} GB/s read = "
