@@ -132,24 +132,29 @@ def _taus(result: dict) -> str:
 def machine_overrides(cfg: DictConfig, dtype: str) -> list[str]:
     """The eval stage's settings fitted to this machine (before the demo's own `eval_overrides`, which win).
 
-    `compile: auto` compiles where DART is served in float32 on a CPU and the target can be compiled
-    (full attention): there an eager tree verification costs more than DART saves (AVX2 kernels: DART
-    0.84x eager AR), while the compiled steps make it ~2x, and the compile is paid back within the
-    stage. The plain baselines skip bfloat16 on CPUs without bf16 kernels (AVX2-only), which would run
+    `bf16_weights: auto` serves float32 with bf16 weights where serve_dtype=auto chose float32 on a CPU
+    without bf16 arithmetic (`dart_infer.target.bf16_weights`). `compile: auto` compiles where DART is
+    served in plain float32 on a CPU and the target can be compiled (full attention): there an eager tree
+    verification costs more than DART saves (AVX2 kernels: DART 0.84x eager AR), while the compiled
+    steps make it ~2x, and the compile is paid back within the stage; with bf16 weights the eager
+    steps are as fast. The plain baselines skip bfloat16 on CPUs without bf16 kernels (AVX2-only), which would run
     it through slow fallbacks for minutes."""
     from transformers import AutoConfig
 
-    from dart_infer.common.dtypes import default_device
+    from dart_infer.common.dtypes import as_dtype, default_device
     from dart_infer.common.machine import cpu_has_bf16_kernels
     from dart_infer.data.assets import resolve_model
     from dart_infer.decoding.compile import compile_pays
+    from dart_infer.target.bf16_weights import resolve_bf16_weights
 
     on_cpu = default_device().type == "cpu"
+    bf16_weights = resolve_bf16_weights(cfg.bf16_weights, cfg.serve_dtype, as_dtype(dtype), default_device())
     compiled = str(cfg.compile).lower()
     if compiled == "auto":  # bf16 DART pays eagerly too: the demo's minutes go to compiling only where it must
         compiled = str(dtype == "float32" and compile_pays(
-            AutoConfig.from_pretrained(resolve_model(str(cfg.model.name_or_path))), default_device())).lower()
-    overrides = [f"compile={compiled}"]
+            AutoConfig.from_pretrained(resolve_model(str(cfg.model.name_or_path))), default_device(),
+            bf16_weights=bf16_weights)).lower()
+    overrides = [f"compile={compiled}", f"bf16_weights={str(bf16_weights).lower()}"]
     if on_cpu and not cpu_has_bf16_kernels():
         overrides.append("baseline_dtypes=[float32]")
     return overrides

@@ -46,3 +46,12 @@ def test_bfloat16_baselines_only_where_the_cpu_has_bf16_kernels(smollm2_dir: str
         assert list(eval_stage("serve_dtype=float32").baseline_dtypes) == ["float32", "bfloat16"]
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)  # an AVX2-only CPU
     assert list(eval_stage("serve_dtype=float32").baseline_dtypes) == ["float32"]
+
+
+def test_serve_dtype_auto_on_an_avx2_cpu_serves_bf16_weights_eagerly(smollm2_dir: str, monkeypatch) -> None:
+    """No bf16 arithmetic: auto picks float32 with bf16 weights, whose eager steps need no compiling."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)  # an AVX2-only CPU
+    stage = eval_stage("serve_dtype=auto")
+    assert stage.model.dtype == "float32" and stage.bf16_weights is True and stage.compile is False
+    explicit = eval_stage("serve_dtype=float32")  # the exactness mode stays plain float32, compiled
+    assert explicit.bf16_weights is False and explicit.compile is True

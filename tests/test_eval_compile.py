@@ -61,3 +61,15 @@ def test_a_bad_compile_value_is_refused_in_one_line(targets) -> None:
     cfg.compile = "yes"  # past the command line's check: programmatic configs (dart-demo's) meet this one
     with pytest.raises(InputError, match=r"compile=yes: use true, false or auto"):
         resolve_compile(cfg)
+
+
+def test_compile_does_not_pay_with_bf16_weights() -> None:
+    assert compile_pays(tiny_llama_config(), "cpu", bf16_weights=True) is False
+
+
+def test_bf16_weights_need_float32_serving(tmp_path: Path) -> None:
+    from dart_infer.cli.eval_checks import check_eval_inputs
+
+    cfg = eval_cfg("model.dtype=bfloat16", "bf16_weights=true", f"out_dir={tmp_path / 'out'}")
+    with pytest.raises(InputError, match=r"bf16_weights=true is for float32 serving on a CPU"):
+        check_eval_inputs(cfg)

@@ -19,15 +19,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dart_infer.cli import hydra_app
-from dart_infer.common.dtypes import resolve_dtype_name
+from dart_infer.common.dtypes import as_dtype, default_device, resolve_dtype_name
 from dart_infer.common.errors import InputError
+from dart_infer.target.bf16_weights import resolve_bf16_weights
 
 log = logging.getLogger(__name__)
 
 
-def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
+def load_model(cfg: DictConfig, dtype: str, bf16_weights: bool = False) -> tuple[Any, bool, list[str]]:
     """(DartModel, whether it has a head, notices for the page). Without a head (none given, or one that
-    cannot be loaded or does not fit the base model) the model has none and decodes plainly."""
+    cannot be loaded or does not fit the base model) the model has none and decodes plainly.
+    `bf16_weights`: float32 served with the weights rounded to bf16 (`dart_infer.target.bf16_weights`)."""
     from transformers import AutoModelForCausalLM
 
     from dart_infer.common.dtypes import as_dtype, cast_parameters
@@ -57,6 +59,12 @@ def load_model(cfg: DictConfig, dtype: str) -> tuple[Any, bool, list[str]]:
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=as_dtype(dtype), attn_implementation="sdpa")
     if head is not None:
         head = cast_parameters(head.to(base.device), base.get_input_embeddings().weight.dtype)
+    if bf16_weights:
+        from dart_infer.target.bf16_weights import use_bf16_weights
+
+        for module in (base, head):
+            if module is not None:
+                use_bf16_weights(module)
     try:
         model = DartModel(base, head, tokenizer, None, tree=tree if head is not None else None)
     except (ValueError, TypeError) as err:  # a head for another target, or tree settings of another method
@@ -102,7 +110,8 @@ def build_engine(cfg: DictConfig) -> Any:
                         int(cfg.max_new_tokens), int(cfg.seed))
     defaults.check()  # bad defaults fail before the model loads
     torch.manual_seed(int(cfg.seed))
-    model, _, notices = load_model(cfg, dtype)
+    bf16_weights = resolve_bf16_weights(cfg.bf16_weights, cfg.serve_dtype, as_dtype(dtype), default_device())
+    model, _, notices = load_model(cfg, dtype, bf16_weights)
     eagle3 = None
     if cfg.eagle3_model:
         try:
@@ -112,6 +121,10 @@ def build_engine(cfg: DictConfig) -> Any:
     if dtype != "float32":
         notices.append(f"Serving in {dtype} (fast mode): answers may differ from float32 plain decoding "
                        "after a while; serve_dtype=float32 is the exactness mode.")
+    elif bf16_weights:
+        notices.append("Serving float32 with the weights rounded to bf16 (fast mode on a CPU without bf16 "
+                       "arithmetic): answers may differ from the checkpoint's float32 plain decoding after a "
+                       "while; serve_dtype=float32 is the exactness mode.")
     engine = Engine(model, eagle3=eagle3, notices=notices, max_length=int(cfg.max_length),
                     defaults=defaults, update_interval=1.0 / float(cfg.updates_per_second))
     engine.warm_up()

@@ -48,7 +48,7 @@ AT_LEAST_ONE = frozenset({
 UNIT_INTERVAL = frozenset({"top_p", "warmup_ratio", "min_lr_ratio", "context_ngram_weight"})
 POSITIVE = frozenset({"lr", "eps"})
 CHOICES: dict[str, tuple[str, ...]] = {"model.dtype": tuple(DTYPE_NAMES), "serve_dtype": ("auto", *DTYPE_NAMES),
-                                       "compile": ("auto", "true", "false")}
+                                       "compile": ("auto", "true", "false"), "bf16_weights": ("auto", "true", "false")}
 # Switches that also take a word: `resume=auto`.
 BOOL_OR: dict[str, tuple[str, ...]] = {"resume": ("auto",)}
 # Keys that take a word besides their type: `tree.remain_total=auto` fits the tree size to this machine

@@ -187,6 +187,12 @@ def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
         if dtype not in by_dtype:
             by_dtype[dtype] = loaded.with_dtype(dtype)
     serving = by_dtype[serving_dtype]
+    if cfg.get("bf16_weights", False):  # the served model only: the other dtypes' copies are made above
+        from dart_infer.target.bf16_weights import use_bf16_weights
+
+        for module in (serving.base_model, serving.draft_model):
+            if module is not None:
+                use_bf16_weights(module)
     if serving.method is not None:
         serving.tree  # noqa: B018  tree=auto fits its size now (seconds, once per machine), before anything is timed
     return serving, [by_dtype[d] for d in others]
@@ -303,7 +309,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
     summary = summarize(records, max(model.draft_depth, eagle3.draft_depth if eagle3 else 0))
     meta = {
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "serving_dtype": dtype_name(model.target.dtype),
+        "serving_dtype": dtype_name(model.target.dtype) + (" (bf16 weights)" if cfg.get("bf16_weights") else ""),
         "plain_dtypes": [dtype_name(m.target.dtype) for m in plain_models],
         "methods": list(settings.methods),
         "ngram_model": trie,

@@ -58,6 +58,10 @@ def check_eval_inputs(cfg: DictConfig) -> None:
     benchmark_names(cfg)
     if "eagle3" in list(cfg.methods) and not cfg.get("eagle3_model"):
         raise InputError("methods: 'eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
+    if cfg.get("bf16_weights", False) and (str(cfg.model.dtype) not in ("float32", "fp32", "float")
+                                           or torch.cuda.is_available()):
+        raise InputError(f"bf16_weights=true is for float32 serving on a CPU (model.dtype={cfg.model.dtype}"
+                         f"{', a GPU here' if torch.cuda.is_available() else ''}): use model.dtype=float32 on a CPU")
     check_out_dir(cfg.out_dir)
 
 
@@ -75,7 +79,7 @@ def resolve_compile(cfg: DictConfig) -> bool:
         from dart_infer.decoding.compile import compile_pays
 
         config = AutoConfig.from_pretrained(resolve_model(str(cfg.model.name_or_path)))
-        choice = compile_pays(config, default_device())
+        choice = compile_pays(config, default_device(), bf16_weights=bool(cfg.get("bf16_weights", False)))
         print(f"compile=auto: {'compiled' if choice else 'eager'} decoding steps on this "
               f"{default_device().type} (compile=true|false to choose)", flush=True)
     cfg.compile = bool(choice)
@@ -109,6 +113,7 @@ def run_settings(cfg: DictConfig, trie: str | None, settings: Any) -> dict[str, 
         else None,
         "methods": list(settings.methods),
         "compile": bool(cfg.get("compile", False)),
+        **({"bf16_weights": True} if cfg.get("bf16_weights") else {}),  # named only when set: old records resume
         "baseline_dtypes": [str(d) for d in cfg.get("baseline_dtypes") or []],
         "samplings": [s.label for s in settings.samplings],
         "max_new_tokens": settings.max_new_tokens,

@@ -28,15 +28,17 @@ log = logging.getLogger(__name__)
 _COMPILER_NICE = 19
 
 
-def compile_pays(config: Any, device: torch.device | str) -> bool:
+def compile_pays(config: Any, device: torch.device | str, *, bf16_weights: bool = False) -> bool:
     """Whether `compile_decoding` makes the faster loop for a target with this (transformers) config on
     `device`: on CPUs, wherever the target can be compiled (full attention), in either dtype. Measured on
     each CPU class we had (2 cores, SmolLM2 + the shipped head, greedy): with AVX2 kernels (fp32) eager
     DART made 17.7 tokens/s, 0.84x our eager plain decoding, compiled 52.1 (`make demo`, 8 x 128); on
     the AVX-512 EPYC (bf16) eager 33.5 (`scripts/bench_first_token.py --mode eager`), compiled 97.9 on
     MT-Bench (20 x 256); on the AMX Xeon the compiled loop made the 2.16x vLLM plain of the README.
-    GPUs: not measured here, so not compiled by default."""
-    return torch.device(device).type == "cpu" and compilable(config)
+    GPUs: not measured here, so not compiled by default. With bf16 weights (`dart_infer.target.bf16_weights`)
+    the eager steps are as fast (AVX2 kernels, 300 cached tokens: eager AR 21.6 ms, 5-node verification
+    23.9; compiled 18.9 and 25.6), so the minutes of compiling buy nothing there."""
+    return torch.device(device).type == "cpu" and compilable(config) and not bf16_weights
 
 
 class BackgroundCompile:

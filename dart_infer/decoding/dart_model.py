@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dart_infer.common.dtypes import as_dtype, bf16_is_faster, cast_parameters, resolve_dtype
+from dart_infer.common.dtypes import as_dtype, bf16_is_faster, cast_parameters, dtype_name, resolve_dtype
 from dart_infer.data.loaders import check_trie_matches_tokenizer, eos_token_ids, load_tokenizer, load_trie
 from dart_infer.decoding.loop import decode_steps
 from dart_infer.decoding.request import as_prompt, checked_request
@@ -45,6 +45,7 @@ from dart_infer.decoding.stats import GenerationStats, StepOutput
 from dart_infer.methods import Drafter, DraftMethod, load_head, method_of
 from dart_infer.methods.loading import check_head_matches_target, load_draft_model
 from dart_infer.target.adapter import TargetModel
+from dart_infer.target.bf16_weights import resolve_bf16_weights, use_bf16_weights, uses_bf16_weights
 from dart_infer.target.step_cost import use_fast_matmul_layout
 from dart_infer.tree.settings import CPU_FP32_TREE, CPU_TREE, TreeSearchSettings, default_tree
 
@@ -170,6 +171,7 @@ class DartModel(nn.Module):
         tree: Any = None,
         profile: bool = False,
         chat_template: str | None = None,
+        bf16_weights: bool | str = False,
         **kwargs: Any,
     ) -> DartModel:
         """Load base model, tokenizer, head and trie. The head is any draft method's (its config.json
@@ -185,7 +187,9 @@ class DartModel(nn.Module):
         checks its payload checksum (a structural check always runs). `chat_template`: the tokenizer's
         chat template, for base models without one (a built-in name such as "gemma-turns", a .jinja
         path or a Jinja string; None: the tokenizer's own; see `dart_infer.data.loaders.load_tokenizer`),
-        as the head was trained with."""
+        as the head was trained with. `bf16_weights=True` serves a float32 CPU model with its linears'
+        weights rounded to bf16 (`dart_infer.target.bf16_weights`: half the bytes a step reads; for CPUs
+        without bf16 arithmetic); "auto" does so where `dtype="auto"` chose float32 on such a CPU."""
         from transformers import AutoModelForCausalLM
 
         from dart_infer.data.assets import resolve_model
@@ -212,6 +216,11 @@ class DartModel(nn.Module):
         if ngram_model_name_or_path is not None:
             trie = load_trie(resolve_model(ngram_model_name_or_path), is_small_ngram, mmap=ngram_mmap,
                              verify=ngram_verify)
+        weight = base_model.get_input_embeddings().weight
+        if resolve_bf16_weights(bf16_weights, dtype, weight.dtype, weight.device):
+            for module in (base_model, draft):
+                if module is not None:
+                    use_bf16_weights(module)
         model = cls(base_model, draft, tokenizer, trie, tree=tree, profile=profile)
         return model.eval()
 
@@ -234,6 +243,9 @@ class DartModel(nn.Module):
         dtype = as_dtype(dtype)
         if dtype == self.target.dtype:
             return self
+        if uses_bf16_weights(self.base_model):
+            raise ValueError("a model with bf16 weights (float32 arithmetic) cannot be cast: load it in "
+                             f"{dtype_name(dtype)} instead")
         base = cast_parameters(copy.deepcopy(self.base_model), dtype)
         base.config.dtype = dtype
         draft = None

@@ -41,6 +41,7 @@ from dart_infer.data.assets import AssetMissingError
 from dart_infer.decoding.loop import decode_steps
 from dart_infer.decoding.sampling import Sampler
 from dart_infer.target.adapter import TargetModel
+from dart_infer.target.bf16_weights import uses_bf16_weights
 from dart_infer.tree.settings import DraftTree, TreeSearchSettings, draft_trees
 
 __all__ = ["CANDIDATE_SIZES", "TreeFit", "fit_tree_size", "model_tree_fit"]
@@ -190,6 +191,8 @@ def _cache_key(model: Any, settings: TreeSearchSettings, sizes: tuple[int, ...])
         "trie": None if trie is None else {"order": trie.order, "nodes": trie.num_nodes, "vocab": trie.vocab_size,
                                            "tokenizer": trie.tokenizer_fingerprint},
         "dtype": str(model.target.dtype),
+        # Other step costs than plain float32 (only named when set: earlier fits keep their key).
+        **({"bf16_weights": True} if uses_bf16_weights(model.base_model) else {}),
         "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "remain_total"},
         "sizes": list(sizes),
     }
@@ -216,7 +219,7 @@ def _load(path: Path, key: dict[str, Any]) -> TreeFit | None:
 def model_tree_fit(model: Any, settings: TreeSearchSettings) -> TreeFit | None:
     """`DartModel.fitted_tree`: `fit_tree_size` kept on the model per device, dtype, settings and trie;
     None (said once) where the fit has no prompts, and the model then serves `settings`' size."""
-    key = (model.target.device, model.target.dtype, repr(settings), id(model.trie))
+    key = (model.target.device, model.target.dtype, uses_bf16_weights(model.base_model), repr(settings), id(model.trie))
     fits = model._tree_fits
     if key not in fits:
         try:

@@ -130,6 +130,15 @@ class Record:
     prompt_index: int | None = None  # the conversation's position in its benchmark (prompt ids may repeat)
 
 
+def _dtype_label(run: _Run) -> str:
+    """The dtype a run computed in; `float32 (bf16 weights)` for our methods on a model whose weights
+    are rounded to bf16 (`dart_infer.target.bf16_weights`; vLLM's engines load their own weights)."""
+    from dart_infer.target.bf16_weights import uses_bf16_weights
+
+    rounded = run.method not in VLLM_METHODS and uses_bf16_weights(run.model.base_model)
+    return dtype_name(run.dtype) + (" (bf16 weights)" if rounded else "")
+
+
 # (benchmark, prompt index, prompt digest, sampling label, turn): what one measurement is of. The
 # digest makes an edited prompt file's rows new units rather than reuse records of other prompts.
 Unit = tuple[str, int, str, str, int]
@@ -314,7 +323,7 @@ class Evaluator:
         new = out[0, ids.numel():].tolist()
         return Record(
             benchmark="", prompt_id="", turn=0, method=run.method, prompt_tokens=ids.numel(),
-            new_tokens=len(new), seconds=seconds, output_ids=new, dtype=dtype_name(run.dtype), label=run.label,
+            new_tokens=len(new), seconds=seconds, output_ids=new, dtype=_dtype_label(run), label=run.label,
             **extra,
         )
 
