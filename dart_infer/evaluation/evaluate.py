@@ -247,8 +247,10 @@ class Evaluator:
             self.runs += [
                 _Run(run_label(m, other.target.dtype, serving), m, other) for m in settings.methods if m in RECAST
             ]
-        self._fp32_ar = next((r.label for r in self.runs if r.method == "ar" and r.dtype == torch.float32), None)
-        if serving != torch.float32 and self._fp32_ar is None:
+        # The float32 reference: plain float32, not float32 arithmetic over bf16-rounded weights.
+        self._fp32_ar = next((r.label for r in self.runs if r.method == "ar" and r.dtype == torch.float32
+                              and _dtype_label(r) == "float32"), None)
+        if (serving != torch.float32 or _dtype_label(_Run("ar", "ar", model)) != "float32") and self._fp32_ar is None:
             log.warning("no float32 'ar' run: agreement with the float32 target's output is not reported")
         # Each runner: (run, prompt ids, max new tokens, sampling, seed) -> Record.
         self._runners: dict[str, Callable[[_Run, torch.Tensor, int, Sampling, int], Record]] = {
