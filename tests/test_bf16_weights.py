@@ -110,3 +110,17 @@ def test_from_pretrained_and_dart_eval_serve_bf16_weights(tiny_dart, tmp_path) -
     rows = saved["summary"]["mtbench"]["T=0"]
     assert rows["dart"]["identical_to_ar"] == 1.0
     assert rows["dart"]["identical_to_fp32"] is None  # the float32 reference is plain float32, not run here
+
+
+def test_bf16_weight_rows_are_compared_with_vllm_in_float32() -> None:
+    from dart_infer.evaluation.evaluate import Record
+    from dart_infer.evaluation.results import summarize
+
+    def record(method: str, dtype: str, seconds: float) -> Record:
+        return Record(benchmark="b", prompt_id="p", turn=0, method=method, prompt_tokens=4, new_tokens=10,
+                      seconds=seconds, dtype=dtype, label=method)
+
+    rows = summarize([record("ar", "float32 (bf16 weights)", 1.0), record("dart", "float32 (bf16 weights)", 0.5),
+                      record("vllm", "float32", 2.0)], draft_length=4)["b"]["T=0"]
+    assert rows["dart"]["speedup_vs_vllm"] == pytest.approx(4.0) and rows["dart"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert "speedup_vs_ar" not in rows["vllm"]  # plain float32 has no float32 (bf16 weights) ar beside it

@@ -26,6 +26,11 @@ Summary = dict[str, dict[str, dict[str, dict[str, Any]]]]  # benchmark -> sampli
 RESULT_FILES = {"json": "results.json", "markdown": "results.md"}
 
 
+def _arithmetic(dtype: str) -> str:
+    """"float32 (bf16 weights)" -> "float32": the dtype a row computes in."""
+    return dtype.split(" (", 1)[0]
+
+
 def summarize(records: Sequence[Record], draft_length: int) -> Summary:
     """Per benchmark, sampling setting and method (label): τ, acceptance per position, tokens/s,
     speedups (against the fastest plain decoding in any dtype and against `ar`/`hf_generate` in the
@@ -43,7 +48,10 @@ def summarize(records: Sequence[Record], draft_length: int) -> Summary:
                 row["fastest_plain"] = fastest
                 row["speedup_vs_fastest_plain"] = row["tokens_per_second"] / rows[fastest]["tokens_per_second"]
             for base in PLAIN:
-                same = next((r for r in rows.values() if r["method"] == base and r["dtype"] == row["dtype"]), None)
+                # vLLM loads the checkpoint's weights: our "float32 (bf16 weights)" rows meet it in float32.
+                key = _arithmetic if base == "vllm" else str
+                same = next((r for r in rows.values() if r["method"] == base and key(r["dtype"]) == key(row["dtype"])),
+                            None)
                 if same is not None and same["tokens_per_second"]:
                     row[f"speedup_vs_{base}"] = row["tokens_per_second"] / same["tokens_per_second"]
         summary[benchmark][sampling] = rows
