@@ -192,7 +192,8 @@ def main(cfg: DictConfig) -> None:
           EMBEDDED_HEADS else "") + ": the τ below is real decoding on MT-Bench with the serving tree", flush=True)
     eval_cfg = eval_config(cfg, head, trie)
     print(f"[demo 3/3] evaluating on {list(eval_cfg.benchmarks)} (limit {eval_cfg.limit}), DART in "
-          f"{eval_cfg.model.dtype}{' (compiled steps: compile=true)' if eval_cfg.compile else ''}, plain decoding "
+          f"{eval_cfg.model.dtype}{' with bf16 weights' if eval_cfg.get('bf16_weights') else ''}"
+          f"{' (compiled steps: compile=true)' if eval_cfg.compile else ''}, plain decoding "
           f"also in {list(eval_cfg.baseline_dtypes)}", flush=True)
     run_eval(eval_cfg)
     print(f"head served: {head}\nhead trained: {trained}\ntrie: {trie}\nresults: {Path(cfg.out_dir) / 'eval'}",
