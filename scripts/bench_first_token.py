@@ -9,6 +9,7 @@ then one MT-Bench chat streamed with DART, timing its first token and the tokens
     python scripts/bench_first_token.py --dtype bfloat16 --runs 2
     python scripts/bench_first_token.py --mode background --runs 2   # first tokens eager while it compiles
     python scripts/bench_first_token.py --dtype float32 --mode eager        # no compilation at all
+    python scripts/bench_first_token.py --dtype auto --bf16-weights auto --mode eager   # an AVX2 CPU's default
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def child(args: argparse.Namespace) -> None:
     from dart_infer.data.conversations import chat_prompt, first_turn, load_conversations
 
     marks["imported"] = time.time() - args.started
-    model = DartModel.from_pretrained(args.base, args.head, args.trie, dtype=args.dtype, tree=None)
+    bf16_weights = {"true": True, "false": False}.get(args.bf16_weights, args.bf16_weights)
+    model = DartModel.from_pretrained(args.base, args.head, args.trie, dtype=args.dtype, tree=None,
+                                      bf16_weights=bf16_weights)
     marks["loaded"] = time.time() - args.started
     if args.tree == "auto":
         model.tree = "auto"
@@ -74,6 +77,9 @@ def main() -> None:
     parser.add_argument("--trie", default="runs/ngram/sharegpt/full.ngt")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tree", default="auto", help="auto (fitted, cached) or default (the settings' default)")
+    parser.add_argument("--bf16-weights", default="false", choices=["false", "true", "auto"],
+                        help="float32 over weights read as bf16 (auto: where --dtype auto chose float32 on a CPU "
+                        "without bf16 arithmetic; dart_infer.target.bf16_weights)")
     parser.add_argument("--mode", default="compiled", choices=["compiled", "background", "eager"],
                         help="compiled: compile before serving; background: serve eagerly while compiling")
     parser.add_argument("--tokens", type=int, default=128)
@@ -88,7 +94,8 @@ def main() -> None:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="inductor-cache-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     print(f"inductor cache: {cache_dir} ({'given' if args.cache_dir else 'new, empty'})", flush=True)
-    forwarded = [f"--{name}={getattr(args, name)}" for name in ("base", "head", "trie", "dtype", "tree", "mode", "tokens")]
+    forwarded = [f"--{name.replace('_', '-')}={getattr(args, name)}"
+                 for name in ("base", "head", "trie", "dtype", "tree", "mode", "tokens", "bf16_weights")]
     for run in range(args.runs):
         command = [sys.executable, __file__, "--child", f"--started={time.time()}", *forwarded]
         out = subprocess.run(command, env=env, capture_output=True, text=True)

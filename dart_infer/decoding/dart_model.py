@@ -187,9 +187,8 @@ class DartModel(nn.Module):
         checks its payload checksum (a structural check always runs). `chat_template`: the tokenizer's
         chat template, for base models without one (a built-in name such as "gemma-turns", a .jinja
         path or a Jinja string; None: the tokenizer's own; see `dart_infer.data.loaders.load_tokenizer`),
-        as the head was trained with. `bf16_weights=True` serves a float32 CPU model with its linears'
-        weights rounded to bf16 (`dart_infer.target.bf16_weights`: half the bytes a step reads; for CPUs
-        without bf16 arithmetic); "auto" does so where `dtype="auto"` chose float32 on such a CPU."""
+        as the head was trained with. `bf16_weights`: float32 over weights read as bf16 (CPUs without bf16;
+        "auto": where dtype="auto" chose float32 on one; `dart_infer.target.bf16_weights`)."""
         from transformers import AutoModelForCausalLM
 
         from dart_infer.data.assets import resolve_model
