@@ -52,7 +52,7 @@ demo: build
 # vllm too: tests/test_export.py and tests/test_vllm_plugin.py serve exported heads in vLLM (`vllm`
 # marker); `make vllm` costs ~1.2 min and 3.5 GB here, those tests ~4 min (docs/vllm.md).
 # Tests run one torch thread each (tests/conftest.py), so TEST_WORKERS pytest-xdist workers fill that many
-# cores, each taking whole files (loadgroup; tests/conftest.py makes xdist's groups work with pytest 9.2);
+# cores (loadgroup's whole-file groups are not in effect with pytest 9.2: tests/conftest.py says why);
 # TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: build vllm

@@ -43,7 +43,11 @@ def pytest_collection_modifyitems(config, items) -> None:
 
     Meant for `make test` (pytest-xdist, `--dist loadgroup`): a worker takes a whole group at a time, each
     test's group its module (module fixtures built once), unless the test names a group of its own
-    (`xdist_group`), as the halves of a long test do (`_group_in_node_ids` makes xdist see them)."""
+    (`xdist_group`), as the halves of a long test do. Not in effect with the pinned pytest 9.2 and
+    pytest-xdist 3.8: xdist groups by a suffix it appends to `item._nodeid`, which pytest 9.2's
+    `nodeid` (built from `_id`) no longer reads, so every test is scheduled on its own and a module's
+    fixtures are built by each worker that runs one of its tests (test_gemma3's conversion ran on both).
+    The suite's measured times are with that scheduling."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
@@ -51,32 +55,6 @@ def pytest_collection_modifyitems(config, items) -> None:
         for marker in sorted({m for fixture, m in REAL_MODEL_FIXTURES.items() if fixture in used}):
             if item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
-
-
-class _GroupInNodeIds:
-    """pytest-xdist 3.8's `loadgroup` groups by an `@group` suffix it appends to `item._nodeid`, which the
-    pinned pytest 9.2 no longer reads (its `nodeid` comes from `item._id`): every test was scheduled on
-    its own and a module's fixtures built on both workers (Gemma 3's conversion: 67 s on one, 45 s of
-    waiting on its lock on the other). This puts the suffix where pytest reads it; on a pytest without
-    `_id`, xdist's own suffix works and this does nothing."""
-
-    @pytest.hookimpl(trylast=True)  # after xdist's hook, on each worker, before it reports the ids
-    def pytest_collection_modifyitems(self, config, items) -> None:
-        if not getattr(config.option, "loadgroup", False):
-            return
-        try:
-            from _pytest.nodeid import coerce_node_id
-        except ImportError:
-            return
-        for item in items:
-            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                            for m in item.iter_markers("xdist_group")})
-            if names and hasattr(item, "_id") and "@" not in item.nodeid:
-                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
-
-
-def pytest_configure(config) -> None:
-    config.pluginmanager.register(_GroupInNodeIds(), "dart-group-in-node-ids")
 
 
 # ------------------------------------------------------------------------------------- real models
