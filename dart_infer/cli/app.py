@@ -59,12 +59,6 @@ def load_model(cfg: DictConfig, dtype: str, bf16_weights: bool = False) -> tuple
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=as_dtype(dtype), attn_implementation="sdpa")
     if head is not None:
         head = cast_parameters(head.to(base.device), base.get_input_embeddings().weight.dtype)
-    if bf16_weights:
-        from dart_infer.target.bf16_weights import use_bf16_weights
-
-        for module in (base, head):
-            if module is not None:
-                use_bf16_weights(module)
     try:
         model = DartModel(base, head, tokenizer, None, tree=tree if head is not None else None)
     except (ValueError, TypeError) as err:  # a head for another target, or tree settings of another method
@@ -73,6 +67,8 @@ def load_model(cfg: DictConfig, dtype: str, bf16_weights: bool = False) -> tuple
         notices.append(f"The DART head draft_model={cfg.draft_model} does not fit {cfg.model.name_or_path} "
                        f"({err}); DART is off, plain decoding only.")
         model = DartModel(base, None, tokenizer)
+    if bf16_weights:
+        model.use_bf16_weights()
     has_head = model.draft_model is not None
     if has_head and model.method.uses_trie:
         trie, note = load_trie(cfg, model)

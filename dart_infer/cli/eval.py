@@ -188,11 +188,7 @@ def load_models(cfg: DictConfig, trie: str | None) -> tuple[Any, list[Any]]:
             by_dtype[dtype] = loaded.with_dtype(dtype)
     serving = by_dtype[serving_dtype]
     if cfg.get("bf16_weights", False):  # the served model only: the other dtypes' copies are made above
-        from dart_infer.target.bf16_weights import use_bf16_weights
-
-        for module in (serving.base_model, serving.draft_model):
-            if module is not None:
-                use_bf16_weights(module)
+        serving.use_bf16_weights()
     if serving.method is not None:
         serving.tree  # noqa: B018  tree=auto fits its size now (seconds, once per machine), before anything is timed
     return serving, [by_dtype[d] for d in others]

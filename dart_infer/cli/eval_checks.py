@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dart_infer.common.dtypes import DTYPE_NAMES
 from dart_infer.common.errors import InputError
 
 
@@ -58,7 +59,7 @@ def check_eval_inputs(cfg: DictConfig) -> None:
     benchmark_names(cfg)
     if "eagle3" in list(cfg.methods) and not cfg.get("eagle3_model"):
         raise InputError("methods: 'eagle3' needs eagle3_model=<an EAGLE-3 head directory>")
-    if cfg.get("bf16_weights", False) and (str(cfg.model.dtype) not in ("float32", "fp32", "float")
+    if cfg.get("bf16_weights", False) and (DTYPE_NAMES.get(str(cfg.model.dtype).lower()) is not torch.float32
                                            or torch.cuda.is_available()):
         raise InputError(f"bf16_weights=true is for float32 serving on a CPU (model.dtype={cfg.model.dtype}"
                          f"{', a GPU here' if torch.cuda.is_available() else ''}): use model.dtype=float32 on a CPU")

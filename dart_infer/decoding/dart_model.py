@@ -215,13 +215,18 @@ class DartModel(nn.Module):
         if ngram_model_name_or_path is not None:
             trie = load_trie(resolve_model(ngram_model_name_or_path), is_small_ngram, mmap=ngram_mmap,
                              verify=ngram_verify)
-        weight = base_model.get_input_embeddings().weight
-        if resolve_bf16_weights(bf16_weights, dtype, weight.dtype, weight.device):
-            for module in (base_model, draft):
-                if module is not None:
-                    use_bf16_weights(module)
         model = cls(base_model, draft, tokenizer, trie, tree=tree, profile=profile)
+        if resolve_bf16_weights(bf16_weights, dtype, model.target.dtype, model.target.device):
+            model.use_bf16_weights()
         return model.eval()
+
+    def use_bf16_weights(self) -> DartModel:
+        """Target and head read their linears' weights as bf16 from now on, float32 arithmetic, in place
+        (`dart_infer.target.bf16_weights`); returns `self`."""
+        for module in (self.base_model, self.draft_model):
+            if module is not None:
+                use_bf16_weights(module)
+        return self
 
     def with_head(self, draft_model: Any, *, tree: Any = None) -> DartModel:
         """The same target (shared, not copied), tokenizer and profiling with another head (of any

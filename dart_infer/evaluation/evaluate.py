@@ -46,6 +46,7 @@ from dart_infer.decoding.dart_model import DartModel
 from dart_infer.decoding.sampling import GREEDY_TEMPERATURE, Sampler
 from dart_infer.decoding.stats import wall_clock
 from dart_infer.engines.vllm.runner import VLLM_METHODS
+from dart_infer.target.bf16_weights import uses_bf16_weights
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,6 @@ class Record:
 def _dtype_label(run: _Run) -> str:
     """The dtype a run computed in; `float32 (bf16 weights)` for our methods on a model whose weights
     are rounded to bf16 (`dart_infer.target.bf16_weights`; vLLM's engines load their own weights)."""
-    from dart_infer.target.bf16_weights import uses_bf16_weights
-
     rounded = run.method not in VLLM_METHODS and uses_bf16_weights(run.model.base_model)
     return dtype_name(run.dtype) + (" (bf16 weights)" if rounded else "")
 
@@ -250,7 +249,7 @@ class Evaluator:
         # The float32 reference: plain float32, not float32 arithmetic over bf16-rounded weights.
         self._fp32_ar = next((r.label for r in self.runs if r.method == "ar" and r.dtype == torch.float32
                               and _dtype_label(r) == "float32"), None)
-        if (serving != torch.float32 or _dtype_label(_Run("ar", "ar", model)) != "float32") and self._fp32_ar is None:
+        if (serving != torch.float32 or uses_bf16_weights(model.base_model)) and self._fp32_ar is None:
             log.warning("no float32 'ar' run: agreement with the float32 target's output is not reported")
         # Each runner: (run, prompt ids, max new tokens, sampling, seed) -> Record.
         self._runners: dict[str, Callable[[_Run, torch.Tensor, int, Sampling, int], Record]] = {
