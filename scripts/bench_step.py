@@ -258,8 +258,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--stock-attention", action="store_true", help="transformers' own SDPA path (its copy of "
                         "the cache per key/value group) instead of dart_infer.target.attention's packed one: the A/B")
-    parser.add_argument("--bf16-weights", action="store_true", help="float32 target with its linears' weights in "
-                        "bf16 (dart_infer.target.bf16_weights: half the bytes a step reads, for CPUs without bf16)")
+    parser.add_argument("--bf16-weights", action="store_true", help="float32 target and head with their linears' "
+                        "weights in bf16 (dart_infer.target.bf16_weights: half the bytes a step reads, for CPUs without "
+                        "bf16), the target's steps attending through the decode kernel, as served")
     parser.add_argument("--compile", action="store_true", help="decode through dart_infer.target.compiled (static "
                         "cache, frozen inductor graphs); the forward's attention/MLP split is then not observable")
     args = parser.parse_args()
@@ -303,9 +304,7 @@ def main() -> None:
     model = DartModel.from_pretrained(args.model, head, trie, dtype=dtype, tree=tree,
                                       chat_template=args.chat_template)
     if args.bf16_weights:
-        from dart_infer.target.bf16_weights import use_bf16_weights
-
-        use_bf16_weights(model.base_model)
+        model.use_bf16_weights()  # as served: target and head, and the decode-attention kernel
     if args.compile:
         from dart_infer.decoding.compile import compile_decoding
 

@@ -14,10 +14,10 @@ from dart_infer import DartModel, TreeSearchSettings
 from dart_infer.target.bf16_weights import (
     MAX_KERNEL_ROWS,
     Bf16WeightLinear,
-    load_kernels,
     use_bf16_weights,
     uses_bf16_weights,
 )
+from dart_infer.target.kernels import load_kernels
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 8), (48, 37), (96, 576)])

@@ -45,6 +45,7 @@ from dart_infer.decoding.stats import GenerationStats, StepOutput
 from dart_infer.methods import Drafter, DraftMethod, load_head, method_of
 from dart_infer.methods.loading import check_head_matches_target, load_draft_model
 from dart_infer.target.adapter import TargetModel
+from dart_infer.target.attention import use_decode_attention
 from dart_infer.target.bf16_weights import resolve_bf16_weights, use_bf16_weights, uses_bf16_weights
 from dart_infer.target.step_cost import use_fast_matmul_layout
 from dart_infer.tree.settings import CPU_FP32_TREE, CPU_TREE, TreeSearchSettings, default_tree
@@ -222,10 +223,12 @@ class DartModel(nn.Module):
 
     def use_bf16_weights(self) -> DartModel:
         """Target and head read their linears' weights as bf16 from now on, float32 arithmetic, in place
-        (`dart_infer.target.bf16_weights`); returns `self`."""
+        (`dart_infer.target.bf16_weights`), and the target's steps attend through the decode kernel
+        (`dart_infer.target.attention.use_decode_attention`); returns `self`."""
         for module in (self.base_model, self.draft_model):
             if module is not None:
                 use_bf16_weights(module)
+        use_decode_attention(self.base_model)
         return self
 
     def with_head(self, draft_model: Any, *, tree: Any = None) -> DartModel:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from dart_infer.target.attention import PACKED_GQA, packed_gqa
+from dart_infer.target.attention import DECODE_KERNEL, PACKED_GQA, packed_gqa
 from dart_infer.target.step_cost import GrowingLayer
 
-# Attention back-ends that accept an arbitrary additive 4D mask (and PACKED_GQA, SDPA's inside our calls).
+# Attention back-ends that accept an arbitrary additive 4D mask (and ours: PACKED_GQA, DECODE_KERNEL).
 _TREE_MASK_BACKENDS = ("sdpa", "eager")
 
 
@@ -259,7 +259,7 @@ class TargetModel:
         bool [n,n] (node i may attend to node j). Returns (aux_hidden [n,3H], logits [n,V]); the
         cache then holds past + n entries until `keep_path` is called.
         """
-        if self.attn_implementation not in (*_TREE_MASK_BACKENDS, PACKED_GQA):
+        if self.attn_implementation not in (*_TREE_MASK_BACKENDS, PACKED_GQA, DECODE_KERNEL):
             raise ValueError(
                 f"tree verification needs an attention back-end that takes a 4D mask {_TREE_MASK_BACKENDS}; "
                 f"the target uses '{self.attn_implementation}'"

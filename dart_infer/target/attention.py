@@ -10,6 +10,13 @@ cached tokens to 39.6 ms at 3,000, and one layer's fp32 attention of 13 rows ove
 Here the query heads that share a key/value head are stacked as extra query rows instead (the mask
 repeated with them), so SDPA reads the cache as it is. Each row's scores and softmax are the same
 computation as before; a test checks the outputs equal the stock path's.
+
+`DECODE_KERNEL` goes further for float32 on a CPU: a step's few rows (an AR token, a verified tree) run
+`torch.ops.dart.decode_attention` (dart_infer/csrc/kernels/decode_attention.cpp), which splits the
+cache across threads and gives each row the same bits whatever rows or masked keys share the call; the
+prompt still runs SDPA. It is a model's own attention implementation (`use_decode_attention`), not
+scoped to our calls, so `generate` on that model computes as our loop does. Served with bf16 weights
+(`dart_infer.target.bf16_weights`), where the model is already ours; a plain float32 model keeps SDPA.
 """
 
 from __future__ import annotations
@@ -24,9 +31,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["PACKED_GQA", "packed_gqa", "packed_gqa_attention"]
+from dart_infer.target.kernels import load_kernels
+
+__all__ = ["DECODE_KERNEL", "PACKED_GQA", "decode_kernel_attention", "packed_gqa", "packed_gqa_attention",
+           "use_decode_attention"]
 
 PACKED_GQA = "dart_packed_gqa_sdpa"
+DECODE_KERNEL = "dart_decode_kernel"
+MAX_DECODE_ROWS = 64  # query rows a call may have for the kernel: the largest verified tree
 
 
 def packed_gqa_attention(
@@ -64,8 +76,62 @@ def packed_gqa_attention(
     return out.reshape(batch, heads, rows, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def _kernel_mask(attention_mask: torch.Tensor | None, rows: int, keys: int) -> torch.Tensor | None | bool:
+    """The kernel's additive float [rows, keys] mask, None for no mask, False where the kernel can't run."""
+    if attention_mask is None:
+        return None if rows == 1 else False  # several rows and no mask: a causal prompt, SDPA's
+    if attention_mask.dim() != 4 or attention_mask.shape[:2] != (1, 1) or attention_mask.shape[2] != rows:
+        return False
+    mask = attention_mask[0, 0, :, :keys]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+    return mask.contiguous() if mask.dtype == torch.float32 else False
+
+
+def decode_kernel_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; a step's rows on a float32 CPU model go through
+    `torch.ops.dart.decode_attention`, anything else through `packed_gqa_attention`."""
+    batch, heads, rows, dim = query.shape
+    mask = False
+    if (batch == 1 and rows <= MAX_DECODE_ROWS and query.device.type == "cpu" and query.dtype == torch.float32
+            and dim % 8 == 0 and dim <= 256 and dropout == 0.0 and key.stride(-1) == 1 and value.stride(-1) == 1
+            and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux"))):
+        mask = _kernel_mask(attention_mask, rows, key.shape[2])
+    if mask is False:
+        return packed_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=is_causal, **kwargs)
+    kv_heads = key.shape[1]
+    # Query head h reads key/value head h // groups: rows [g*q, (g+1)*q) of kv head k are query head
+    # k*groups + g, each reading mask row (its index mod q).
+    packed = query.reshape(1, kv_heads, heads // kv_heads * rows, dim)
+    out = torch.ops.dart.decode_attention(packed, key, value, mask, dim**-0.5 if scaling is None else scaling)
+    return out.reshape(1, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+def use_decode_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Make `DECODE_KERNEL` the attention of `model` (a float32 CPU model on "sdpa"), in place, for every
+    forward from now on (ours and `generate`'s); returns `model`."""
+    load_kernels()
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if getattr(config, "_attn_implementation_internal", None) == "sdpa":
+            config._attn_implementation_internal = DECODE_KERNEL
+    return model
+
+
 AttentionInterface.register(PACKED_GQA, packed_gqa_attention)
 AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)  # the same masks as "sdpa"
+AttentionInterface.register(DECODE_KERNEL, decode_kernel_attention)
+AttentionMaskInterface.register(DECODE_KERNEL, sdpa_mask)
 
 
 # Requests served in threads (dart-app) share one model: the first forward in swaps the config, the last

@@ -15,44 +15,16 @@ share the call (the kernel sums in one order), so greedy DART still equals greed
 
 from __future__ import annotations
 
-import importlib.util
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MAX_KERNEL_ROWS", "Bf16WeightLinear", "bf16_weights_pay", "load_kernels", "resolve_bf16_weights",
-           "use_bf16_weights", "uses_bf16_weights"]
+from dart_infer.target.kernels import PANEL_COLUMNS, load_kernels
+
+__all__ = ["MAX_KERNEL_ROWS", "Bf16WeightLinear", "bf16_weights_pay", "resolve_bf16_weights", "use_bf16_weights",
+           "uses_bf16_weights"]
 
 MAX_KERNEL_ROWS = 64  # the largest verified tree; prompts go through the fp32 copy
-_COLUMNS = 16  # the kernel's panel width: out_features must be a multiple
-
-_lock = threading.Lock()
-_loaded = False
-
-
-def load_kernels() -> None:
-    """Register torch.ops.dart.* (the compiled `dart_infer._kernels` library), once per process."""
-    global _loaded
-    with _lock:
-        if _loaded:
-            return
-        spec = importlib.util.find_spec("dart_infer._kernels")
-        if spec is None or spec.origin is None:
-            raise RuntimeError("dart_infer._kernels is not built: run `make build` (or pip install -e .)")
-        torch.ops.load_library(spec.origin)
-
-        @torch.library.register_fake("dart::bf16_weight_linear")
-        def _linear_shape(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return input.new_empty((*input.shape[:-1], packed.shape[0] * _COLUMNS))
-
-        @torch.library.register_fake("dart::bf16_weight_pack")
-        def _pack_shape(weight: torch.Tensor) -> torch.Tensor:
-            return weight.new_empty((weight.shape[0] // _COLUMNS, weight.shape[1], _COLUMNS), dtype=torch.bfloat16)
-
-        _loaded = True
-
 
 class Bf16WeightLinear(nn.Module):
     """An `nn.Linear` whose weight is rounded to bf16 and also kept packed in bf16 for the kernel."""
@@ -106,6 +78,6 @@ def use_bf16_weights(model: nn.Module) -> nn.Module:
         raise ValueError(f"bf16 weights are for float32 models on a CPU, not {parameter.dtype} on {parameter.device}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.out_features % _COLUMNS == 0:
+            if type(child) is nn.Linear and child.out_features % PANEL_COLUMNS == 0:
                 setattr(parent, name, Bf16WeightLinear(child))
     return model

@@ -1,0 +1,46 @@
+"""Our CPU kernels as torch ops (`torch.ops.dart.*`), from the compiled `dart_infer._kernels` library
+(dart_infer/csrc/kernels/, built by `make build`): `bf16_weight_linear` and its `bf16_weight_pack`
+(`dart_infer.target.bf16_weights`), `decode_attention` (`dart_infer.target.attention`). Each has a shape
+function, so graphs that call them also trace (torch.compile)."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import torch
+
+__all__ = ["PANEL_COLUMNS", "load_kernels"]
+
+PANEL_COLUMNS = 16  # bf16_weight_pack's panel width: out_features must be a multiple
+
+_lock = threading.Lock()
+_loaded = False
+
+
+def load_kernels() -> None:
+    """Register torch.ops.dart.*, once per process."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        spec = importlib.util.find_spec("dart_infer._kernels")
+        if spec is None or spec.origin is None:
+            raise RuntimeError("dart_infer._kernels is not built: run `make build` (or pip install -e .)")
+        torch.ops.load_library(spec.origin)
+
+        @torch.library.register_fake("dart::bf16_weight_linear")
+        def _linear_shape(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return input.new_empty((*input.shape[:-1], packed.shape[0] * PANEL_COLUMNS))
+
+        @torch.library.register_fake("dart::bf16_weight_pack")
+        def _pack_shape(weight: torch.Tensor) -> torch.Tensor:
+            return weight.new_empty((weight.shape[0] // PANEL_COLUMNS, weight.shape[1], PANEL_COLUMNS),
+                                    dtype=torch.bfloat16)
+
+        @torch.library.register_fake("dart::decode_attention")
+        def _attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+            return query.new_empty(query.shape)
+
+        _loaded = True
