@@ -47,6 +47,7 @@ from dart_infer.methods.loading import check_head_matches_target, load_draft_mod
 from dart_infer.target.adapter import TargetModel
 from dart_infer.target.attention import use_decode_attention
 from dart_infer.target.bf16_weights import resolve_bf16_weights, use_bf16_weights, uses_bf16_weights
+from dart_infer.target.fused_blocks import use_fused_blocks
 from dart_infer.target.step_cost import use_fast_matmul_layout
 from dart_infer.tree.settings import CPU_FP32_TREE, CPU_TREE, TreeSearchSettings, default_tree
 
@@ -222,12 +223,13 @@ class DartModel(nn.Module):
         return model.eval()
 
     def use_bf16_weights(self) -> DartModel:
-        """Target and head read their linears' weights as bf16 from now on, float32 arithmetic, in place
-        (`dart_infer.target.bf16_weights`), and the target's steps attend through the decode kernel
+        """Serve target and head as fitted for CPUs without bf16 arithmetic, in place: their linears read
+        bf16 weights with float32 arithmetic (`dart_infer.target.bf16_weights`), norms and gated MLPs run
+        fused (`dart_infer.target.fused_blocks`), the target's steps attend through the decode kernel
         (`dart_infer.target.attention.use_decode_attention`); returns `self`."""
         for module in (self.base_model, self.draft_model):
             if module is not None:
-                use_bf16_weights(module)
+                use_bf16_weights(use_fused_blocks(module))
         use_decode_attention(self.base_model)
         return self
 

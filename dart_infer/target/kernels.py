@@ -1,7 +1,8 @@
 """Our CPU kernels as torch ops (`torch.ops.dart.*`), from the compiled `dart_infer._kernels` library
 (dart_infer/csrc/kernels/, built by `make build`): `bf16_weight_linear` and its `bf16_weight_pack`
-(`dart_infer.target.bf16_weights`), `decode_attention` (`dart_infer.target.attention`). Each has a shape
-function, so graphs that call them also trace (torch.compile)."""
+(`dart_infer.target.bf16_weights`), `decode_attention` (`dart_infer.target.attention`), `rms_norm` and
+`silu_mul` (`dart_infer.target.fused_blocks`). Each has a shape function, so graphs that call them also
+trace (torch.compile)."""
 
 from __future__ import annotations
 
@@ -42,5 +43,13 @@ def load_kernels() -> None:
         def _attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
             return query.new_empty(query.shape)
+
+        @torch.library.register_fake("dart::rms_norm")
+        def _norm_shape(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            return input.new_empty(input.shape)
+
+        @torch.library.register_fake("dart::silu_mul")
+        def _silu_mul_shape(gate_up: torch.Tensor) -> torch.Tensor:
+            return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
         _loaded = True
