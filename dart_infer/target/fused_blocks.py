@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dart_infer.target.kernels import load_kernels
+from dart_infer.target.step_cost import use_fast_matmul_layout
 
 __all__ = ["FusedGatedMLP", "FusedRMSNorm", "use_fused_blocks"]
 
@@ -81,4 +82,5 @@ def use_fused_blocks(model: nn.Module) -> nn.Module:
             fused = _fused(child)
             if fused is not None:
                 setattr(parent, name, fused)
+    use_fast_matmul_layout(model)  # the stacked gate/up too: prompts multiply it with torch's GEMM
     return model
