@@ -37,26 +37,53 @@ from helpers import (  # noqa: E402, F401 (tiny_llama_config, tiny_llama: also i
 REAL_MODEL_FIXTURES = {"smollm2_dir": "smollm2", "smollm2_tokenizer": "smollm2", "gemma3_dir": "gemma3"}
 
 
+# Fixtures that cost half a minute or more to build (a checkpoint conversion, a server and a browser):
+# the tests that use one share a worker (an xdist group), so it is built once.
+SHARED_FIXTURE_GROUPS = {"gemma3_dir": "gemma3", "app_url": "app-server"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, and before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark every test that uses a real model's fixture (its closure includes indirect uses).
+    """Mark every test that uses a real model's fixture (its closure includes indirect uses), and group
+    the tests of each expensive shared fixture (`SHARED_FIXTURE_GROUPS`).
 
-    Meant for `make test` (pytest-xdist, `--dist loadgroup`): a worker takes a whole group at a time, each
-    test's group its module (module fixtures built once), unless the test names a group of its own
-    (`xdist_group`), as the halves of a long test do. Not in effect with the pinned pytest 9.2 and
-    pytest-xdist 3.8: xdist groups by a suffix it appends to `item._nodeid`, which pytest 9.2's
-    `nodeid` (built from `_id`) no longer reads, so every test is scheduled on its own and a module's
-    fixtures are built by each worker that runs one of its tests (test_gemma3's conversion ran on both).
-    The suite's measured times are with that scheduling: making the groups work (a trylast hook putting
-    the suffix in `item._id`, 720ce31) measured slower, 17 min 40 s against 15 min 25 s for a fresh
-    clone's pytest (whole files per worker left one worker a long tail)."""
+    `make test` runs pytest-xdist with `--dist loadgroup`: every other test is scheduled on its own, so
+    the two workers balance. Grouping whole files instead measured slower (17 min 40 s against 15 min
+    25 s for a fresh clone's pytest, 720ce31: a few long files left one worker a long tail)."""
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         used = set(getattr(item, "fixturenames", ()))
+        group = next((g for fixture, g in SHARED_FIXTURE_GROUPS.items() if fixture in used), None)
+        if group and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
         for marker in sorted({m for fixture, m in REAL_MODEL_FIXTURES.items() if fixture in used}):
             if item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
+
+
+class _GroupInNodeIds:
+    """pytest-xdist 3.8's `loadgroup` groups by an `@group` suffix it appends to `item._nodeid`, which the
+    pinned pytest 9.2 no longer reads (its `nodeid` comes from `item._id`): without this, grouped tests
+    were scheduled apart and a shared fixture built on both workers (Gemma 3's conversion: 67 s on one,
+    45 s of waiting on its lock on the other). This puts the suffix where pytest reads it; on a pytest
+    without `_id`, xdist's own suffix works and this does nothing."""
+
+    @pytest.hookimpl(trylast=True)  # after xdist's hook, on each worker, before it reports the ids
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        try:
+            from _pytest.nodeid import coerce_node_id
+        except ImportError:
+            return
+        for item in items:
+            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                            for m in item.iter_markers("xdist_group")})
+            if names and hasattr(item, "_id") and "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(_GroupInNodeIds(), "dart-group-in-node-ids")
 
 
 # ------------------------------------------------------------------------------------- real models

@@ -244,13 +244,13 @@ def sharegpt_trie(tokenizer, conversations: int):
 
 @pytest.mark.smollm2
 @pytest.mark.slow
-@pytest.mark.parametrize("half", [pytest.param(h, marks=pytest.mark.xdist_group(f"mtbench-lossless-{h}")) for h in (0, 1)])
+@pytest.mark.parametrize("half", [0, 1])
 def test_smollm2_greedy_is_lossless_on_mtbench(smollm2_dir: str, smollm2_tokenizer, half: int) -> None:
     """10 MT-Bench prompts x 128 new tokens, the shipped head, a trie from ShareGPT, fp32: token for
     token what `generate(do_sample=False)` produces (`assert_greedy`: one forward checks every token,
     `generate` only where that disagrees). The trained head accepts more than one draft per step, so
     deep keep-paths run on real weights, in about half the steps (and time) an untrained head needed.
-    In two halves of 5 prompts, each its own xdist group, so the two test workers can share them."""
+    In two halves of 5 prompts, so the two test workers can share them."""
     from dart_infer.data.conversations import load_conversations
 
     trie, _ = sharegpt_trie(smollm2_tokenizer, 300)
