@@ -26,6 +26,7 @@ __all__ = ["MAX_KERNEL_ROWS", "Bf16WeightLinear", "bf16_weights_pay", "resolve_b
 
 MAX_KERNEL_ROWS = 64  # the largest verified tree; prompts go through the fp32 copy
 
+
 class Bf16WeightLinear(nn.Module):
     """An `nn.Linear` whose weight is rounded to bf16 and also kept packed in bf16 for the kernel."""
 
