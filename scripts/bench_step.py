@@ -113,9 +113,11 @@ class ForwardSplit:
 def linear_kinds(model: torch.nn.Module) -> dict[tuple[int, int], str]:
     """Weight shape -> attention / mlp / lm_head for the target's linears (for SmolLM2 and most decoders
     the shapes do not collide across kinds; a shape seen first wins)."""
+    from dart_infer.target.bf16_weights import Bf16WeightLinear
+
     kinds: dict[tuple[int, int], str] = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, (torch.nn.Linear, Bf16WeightLinear)):
             kind = "lm_head" if name.endswith("lm_head") else "mlp" if ".mlp." in name else "attention"
             kinds.setdefault(tuple(module.weight.shape), kind)
     return kinds
@@ -137,11 +139,15 @@ def profiled_split(fn: Callable[[], object], model: torch.nn.Module, repeats: in
     out = dict.fromkeys(ForwardSplit.KINDS, 0.0)
     for event in prof.key_averages(group_by_input_shape=True):
         name, seconds = event.key.lower(), event.self_cpu_time_total / 1e6 / repeats
-        if "scaled_dot_product" in name or "flash_attention" in name or name == "aten::bmm":
+        if any(word in name for word in ("scaled_dot_product", "flash_attention", "decode_attention")) \
+                or name == "aten::bmm":
             out["attention"] += seconds
         elif any(word in name for word in ("linear", "addmm", "aten::mm", "matmul")):
             kind = "unclassified linear"  # the weight is the 2-D input, either orientation
-            for shape in (tuple(shape) for shape in event.input_shapes if len(shape) == 2):
+            # (with bf16 weights, the packed [N/16, K, 16] panels of an N x K weight)
+            shapes = [tuple(shape) if len(shape) == 2 else (shape[0] * shape[2], shape[1])
+                      for shape in event.input_shapes if len(shape) == 2 or (len(shape) == 3 and shape[2] == 16)]
+            for shape in shapes:
                 if shape in kinds or shape[::-1] in kinds:
                     kind = kinds.get(shape) or kinds[shape[::-1]]
                     break
