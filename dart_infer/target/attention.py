@@ -89,27 +89,21 @@ def _kernel_mask(attention_mask: torch.Tensor | None, rows: int, keys: int) -> t
 
 
 def decode_kernel_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature; a step's rows on a float32 CPU model go through
-    `torch.ops.dart.decode_attention`, anything else through `packed_gqa_attention`."""
+    """`packed_gqa_attention`'s arguments (transformers passes dropout, scaling, ... by name); a step's rows
+    on a float32 CPU model go through `torch.ops.dart.decode_attention`, anything else through
+    `packed_gqa_attention`."""
     batch, heads, rows, dim = query.shape
     mask = False
     if (batch == 1 and rows <= MAX_DECODE_ROWS and query.device.type == "cpu" and query.dtype == torch.float32
-            and dim % 8 == 0 and dim <= 256 and dropout == 0.0 and key.stride(-1) == 1 and value.stride(-1) == 1
-            and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux"))):
+            and dim % 8 == 0 and dim <= 256 and not kwargs.get("dropout") and key.stride(-1) == 1
+            and value.stride(-1) == 1 and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux"))):
         mask = _kernel_mask(attention_mask, rows, key.shape[2])
     if mask is False:
-        return packed_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                    is_causal=is_causal, **kwargs)
+        return packed_gqa_attention(module, query, key, value, attention_mask, **kwargs)
+    scaling = kwargs.get("scaling")
     kv_heads = key.shape[1]
     # Query head h reads key/value head h // groups: rows [g*q, (g+1)*q) of kv head k are query head
     # k*groups + g, each reading mask row (its index mod q).
