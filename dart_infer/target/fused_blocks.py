@@ -37,9 +37,10 @@ class FusedGatedMLP(nn.Module):
 
     def __init__(self, gate: nn.Linear, up: nn.Linear, down: nn.Module) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False)
-        with torch.no_grad():
-            self.gate_up.weight.copy_(torch.cat([gate.weight, up.weight]))
+        # No random initialisation to overwrite: the stacked weights are the parameter.
+        self.gate_up = torch.nn.utils.skip_init(nn.Linear, gate.in_features, 2 * gate.out_features, bias=False)
+        self.gate_up.weight = nn.Parameter(torch.cat([gate.weight.detach(), up.weight.detach()]),
+                                           requires_grad=gate.weight.requires_grad)
         self.down_proj = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
