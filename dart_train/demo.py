@@ -163,7 +163,7 @@ def machine_overrides(cfg: DictConfig, dtype: str) -> list[str]:
 def eval_config(cfg: DictConfig, head: Path | str, trie: Path) -> DictConfig:
     """dart-eval's config for the demo's last stage: its overrides, the head and trie just made, DART
     in `serve_dtype`, the plain baselines in eval's `baseline_dtypes` (`machine_overrides`)."""
-    from dart_infer.cli.eval import tree_file_overrides
+    from dart_infer.cli.tree_files import tree_file_overrides
 
     dtype = serve_dtype(cfg)
     overrides = [*machine_overrides(cfg, dtype), *cfg.eval_overrides, f"draft_model={head}", f"ngram_model={trie}",

@@ -56,7 +56,7 @@ def main() -> None:
     if named.is_file():
         tree = OmegaConf.to_container(OmegaConf.load(named), resolve=True)
     else:  # a fit_tree.yaml that dart-eval action=fit_tree wrote, or its run directory
-        from dart_infer.cli.eval import read_tree_file, tree_file
+        from dart_infer.cli.tree_files import read_tree_file, tree_file
 
         path = tree_file(args.tree)
         if path is None:

@@ -113,7 +113,7 @@ def test_from_pretrained_and_dart_eval_serve_bf16_weights(tiny_dart, tmp_path) -
 
 
 def test_bf16_weight_rows_are_compared_with_vllm_in_float32() -> None:
-    from dart_infer.evaluation.evaluate import Record
+    from dart_infer.evaluation.records import Record
     from dart_infer.evaluation.results import summarize
 
     def record(method: str, dtype: str, seconds: float) -> Record:

@@ -44,8 +44,8 @@ def test_demo_evaluates_dart_in_its_serving_dtype_against_baselines_in_every_dty
     from omegaconf import open_dict
 
     from dart_infer.common.configs import configs_dir
+    from dart_infer.common.dtypes import bf16_is_faster
     from dart_infer.common.machine import cpu_has_bf16_kernels
-    from dart_infer.decoding.dart_model import bf16_is_faster
     from dart_train.demo import eval_config, serve_dtype
 
     fit = tmp_path / "fit_tree.yaml"

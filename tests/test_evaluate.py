@@ -108,7 +108,7 @@ def test_cli_end_to_end(tiny_dart, tmp_path: Path) -> None:
     assert set(summary) == {"humaneval", str(prompts)}
     assert summary["humaneval"]["T=0"]["dart"]["identical_to_ar"] == 1.0
     # The float32 CPU default (the tiny model serves in fp32) with the one field overridden.
-    from dart_infer.decoding.dart_model import CPU_FP32_TREE
+    from dart_infer.tree.settings import CPU_FP32_TREE
 
     assert saved["meta"]["tree"]["remain_total"] == 4
     assert saved["meta"]["tree"]["draft_top_k"] == CPU_FP32_TREE.draft_top_k
@@ -240,7 +240,7 @@ def test_fit_tree_writes_into_out_dir_and_tree_accepts_the_file(tiny_dart, tmp_p
 
 
 def test_tree_file_overrides_leave_group_names_alone(tmp_path: Path) -> None:
-    from dart_infer.cli.eval import tree_file_overrides
+    from dart_infer.cli.tree_files import tree_file_overrides
 
     assert tree_file_overrides(["tree=cpu", "limit=2"]) == ["tree=cpu", "limit=2"]
     settings = tmp_path / "my_tree.yaml"

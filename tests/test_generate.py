@@ -330,7 +330,7 @@ def test_from_pretrained_picks_the_tree_for_its_device(saved_pair: Path) -> None
     import yaml
 
     from dart_infer.common.configs import configs_dir
-    from dart_infer.decoding.dart_model import CPU_FP32_TREE, CPU_TREE, default_tree
+    from dart_infer.tree.settings import CPU_FP32_TREE, CPU_TREE, default_tree
 
     model = DartModel.from_pretrained(str(saved_pair / "base"), str(saved_pair / "head"))  # float32
     assert model.tree == default_tree("cpu", torch.float32) == CPU_FP32_TREE and model.tree.remain_total == 6
@@ -356,7 +356,7 @@ def test_from_pretrained_picks_the_tree_for_its_device(saved_pair: Path) -> None
 
 
 def test_bf16_serving_loads_and_copies_consistently(saved_pair: Path) -> None:
-    from dart_infer.decoding.dart_model import as_dtype
+    from dart_infer.common.dtypes import as_dtype
 
     base, head = str(saved_pair / "base"), str(saved_pair / "head")
     fp32 = DartModel.from_pretrained(base, head, dtype="float32")

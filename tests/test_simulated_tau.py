@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from helpers import tiny_llama
 
-from dart_infer.decoding.dart_model import DartModel, TreeSearchSettings
+from dart_infer.decoding.dart_model import DartModel
 from dart_infer.methods.dart.model import DartDraftConfig, DartDraftModel
 from dart_infer.target.adapter import TargetModel
+from dart_infer.tree.settings import TreeSearchSettings
 from dart_train.data.dataset import TokenizedDataset
 from dart_train.states.online import OnlineStateSource
 from dart_train.trainer.simulated_tau import SimulatedTau

@@ -278,7 +278,7 @@ def test_resumed_runs_log_to_a_new_wandb_segment(tmp_path) -> None:
 
 
 def test_hardware_group_sets_trainer_tree_and_dtype_together() -> None:
-    from dart_infer.decoding.dart_model import CPU_TREE
+    from dart_infer.tree.settings import CPU_TREE
 
     cpu, gpu = compose_train(), compose_train("hardware=gpu")
     # The CPU tree of configs/tree/cpu.yaml, the same as DartModel's CPU default.

@@ -289,7 +289,8 @@ def test_accepted_length_on_a_hand_built_tree() -> None:
 
 def test_simulated_tau_matches_dart_generate_on_greedy_data(tiny_target) -> None:
     """On target-greedy data, simulated acceptance per anchor == DartModel's acceptance at that step."""
-    from dart_infer.decoding.dart_model import DartModel, TreeSearchSettings
+    from dart_infer.decoding.dart_model import DartModel
+    from dart_infer.tree.settings import TreeSearchSettings
     from dart_train.trainer.simulated_tau import SimulatedTau
 
     torch.manual_seed(11)

@@ -179,7 +179,7 @@ def _app(cfg: DictConfig) -> None:
 def main() -> None:
     """The `dart-app` console script: `tree=<fit_tree.yaml or its run dir>` becomes that tree's settings
     (as in `dart-eval`)."""
-    from dart_infer.cli.eval import tree_file_overrides
+    from dart_infer.cli.tree_files import tree_file_overrides
 
     sys.argv[1:] = tree_file_overrides(sys.argv[1:])
     _app()

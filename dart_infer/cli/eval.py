@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dart_infer.cli import hydra_app
@@ -39,16 +38,13 @@ from dart_infer.cli.eval_checks import (
     resolve_compile,
     run_settings,
 )
+from dart_infer.cli.tree_files import check_tree_file, tree_file_overrides, write_fit
 from dart_infer.common.dtypes import dtype_name
 from dart_infer.common.errors import InputError
-from dart_infer.common.files import atomic_write_bytes
 from dart_infer.data.assets import resolve_model
 from dart_infer.data.conversations import Conversation, load_conversations, load_prompt_file
 
 log = logging.getLogger(__name__)
-
-FIT_FILE = "fit_tree.yaml"
-FIT_HEADER = "# Written by `dart-eval action=fit_tree`"
 
 
 def benchmark_conversations(name: str, limit: int | None) -> list[Conversation]:
@@ -68,74 +64,12 @@ def benchmark_conversations(name: str, limit: int | None) -> list[Conversation]:
     return conversations
 
 
-# ------------------------------------------------------------------------------------- tree files
-
-
-def tree_file(value: str) -> Path | None:
-    """The fitted-tree file a `tree=` value names, or None for a config-group option (cpu, gpu, auto)."""
-    if not ("/" in value or value.endswith((".yaml", ".yml")) or value.startswith((".", "~"))):
-        return None  # a bare name is a config-group option
-    path = Path(value).expanduser()
-    if path.is_dir():
-        path = path / FIT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"tree={value}: no such tree file (dart-eval action=fit_tree writes <out_dir>/{FIT_FILE})")
-    return path.resolve()
-
-
-def read_tree_file(path: str | Path) -> dict[str, Any]:
-    """The tree settings in a `fit_tree.yaml` (its `tree:` mapping) or in a plain settings file."""
-    from dart_infer.tree.settings import TreeSearchSettings
-
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    settings = data.get("tree", data) if isinstance(data, dict) else None
-    if not isinstance(settings, dict) or not settings:
-        raise ValueError(f"{path} holds no tree settings (expected a `tree:` mapping or settings fields)")
-    TreeSearchSettings().with_overrides(settings)  # unknown names and bad values fail here
-    return settings
-
-
-def tree_file_overrides(args: Sequence[str]) -> list[str]:
-    """Hydra overrides with `tree=<file or run dir>` turned into that file's settings.
-
-    `tree` is a config group (cpu, gpu, auto); a path there is replaced by `tree.<field>=<value>`
-    overrides for the file's fields (fields the same command sets explicitly win) and `tree_file=<path>`,
-    so the run's saved config says where its tree came from.
-    """
-    args = list(args)
-    explicit = {a.split("=", 1)[0].lstrip("+") for a in args if a.lstrip("+").startswith("tree.")}
-    out: list[str] = []
-    for arg in args:
-        key, _, value = arg.partition("=")
-        path = tree_file(value) if key == "tree" and value else None
-        if path is None:
-            out.append(arg)
-            continue
-        for name, setting in read_tree_file(path).items():
-            if f"tree.{name}" not in explicit:
-                rendered = yaml.safe_dump(setting, default_flow_style=True).strip().removesuffix("...").strip()
-                out.append(f"++tree.{name}={rendered}")
-        out.append(f"tree_file={path}")
-    return out
-
-
-def write_fit(out_dir: str | Path, best: dict[str, Any], results: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
-    """`<out_dir>/fit_tree.yaml`: the best tree (`tree:`), where it was measured, and every result."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / FIT_FILE
-    body = yaml.safe_dump({"tree": best, **meta, "all": results}, sort_keys=False)
-    use = "eagle3_tree.<field>=<value> of `tree:`" if meta.get("method") == "eagle3" else f"dart-eval tree={path}"
-    atomic_write_bytes(path, f"{FIT_HEADER}; evaluate with it: {use}\n{body}".encode())
-    return path
-
-
 # ------------------------------------------------------------------------------------ models, trie
 
 
 def _dtypes(cfg: DictConfig) -> tuple[torch.dtype, list[torch.dtype]]:
     """(serving dtype, the other dtypes the plain methods are timed in)."""
-    from dart_infer.decoding.dart_model import as_dtype
+    from dart_infer.common.dtypes import as_dtype
 
     serving = as_dtype(cfg.model.dtype)
     others = [as_dtype(d) for d in cfg.get("baseline_dtypes") or []]
@@ -241,18 +175,6 @@ def samplings_from(cfg: DictConfig) -> list[Any]:
     return [Sampling(float(t), float(cfg.top_p), int(cfg.top_k)) for t in temperatures]
 
 
-def _check_tree_file(cfg: DictConfig) -> None:
-    """Say so when the tree file was measured in another dtype or on another kind of device."""
-    if not cfg.get("tree_file"):
-        return
-    data = yaml.safe_load(Path(cfg.tree_file).read_text()) or {}
-    measured = data.get("dtype")
-    if measured and measured != str(cfg.model.dtype):
-        print(f"note: the tree in {cfg.tree_file} was fitted in {measured}; this run serves in "
-              f"{cfg.model.dtype} (fit one per dtype: dart-eval action=fit_tree model.dtype={cfg.model.dtype})",
-              flush=True)
-
-
 def run_eval(cfg: DictConfig) -> dict[str, Path]:
     from dart_infer.evaluation.evaluate import EvalSettings, Evaluator
     from dart_infer.evaluation.records import RecordStore
@@ -268,7 +190,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Path]:
         seed=int(cfg.seed),
     )
     _dtypes(cfg)  # bad dtype names fail here, before the model loads
-    _check_tree_file(cfg)
+    check_tree_file(cfg)
     resolve_compile(cfg)
     store = RecordStore.open(cfg.out_dir, run_settings(cfg, trie, settings))  # other settings: refused
     units = [unit for name, conversations in benchmarks.items() for unit in settings.units(name, conversations)]

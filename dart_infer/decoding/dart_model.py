@@ -30,37 +30,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from dart_infer.common.dtypes import as_dtype, bf16_is_faster, cast_parameters, dtype_name, resolve_dtype
+from dart_infer.common.dtypes import as_dtype, cast_parameters, dtype_name, resolve_dtype
 from dart_infer.data.loaders import check_trie_matches_tokenizer, eos_token_ids, load_tokenizer, load_trie
 from dart_infer.decoding.loop import decode_steps
 from dart_infer.decoding.request import as_prompt, checked_request
-from dart_infer.decoding.sampling import (
-    GREEDY_TEMPERATURE,
-    Sampler,
-    greedy_accept,
-    sampling_accept,
-    tree_children,
-)
+from dart_infer.decoding.sampling import Sampler
 from dart_infer.decoding.stats import GenerationStats, StepOutput
 from dart_infer.methods import Drafter, DraftMethod, load_head, method_of
-from dart_infer.methods.loading import check_head_matches_target, load_draft_model
+from dart_infer.methods.loading import check_head_matches_target
 from dart_infer.target.adapter import TargetModel
 from dart_infer.target.attention import use_decode_attention
 from dart_infer.target.bf16_weights import resolve_bf16_weights, use_bf16_weights, uses_bf16_weights
 from dart_infer.target.fused_blocks import use_fused_blocks
 from dart_infer.target.step_cost import use_fast_matmul_layout
-from dart_infer.tree.settings import CPU_FP32_TREE, CPU_TREE, TreeSearchSettings, default_tree
 
 log = logging.getLogger(__name__)
-
-# After DartModel, names whose homes are the modules above, importable from here for existing callers.
-__all__ = [
-    "DartModel",
-    "CPU_FP32_TREE", "CPU_TREE", "GREEDY_TEMPERATURE", "GenerationStats", "Sampler", "StepOutput",
-    "TreeSearchSettings", "as_dtype", "cast_parameters", "check_head_matches_target",
-    "check_trie_matches_tokenizer", "default_tree", "greedy_accept", "load_draft_model", "load_trie",
-    "bf16_is_faster", "sampling_accept", "tree_children",
-]
 
 
 class DartModel(nn.Module):

@@ -29,11 +29,9 @@ hands each measured unit to `save` at once and takes the units a previous run me
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -46,6 +44,7 @@ from dart_infer.decoding.dart_model import DartModel
 from dart_infer.decoding.sampling import GREEDY_TEMPERATURE, Sampler
 from dart_infer.decoding.stats import wall_clock
 from dart_infer.engines.vllm.runner import VLLM_METHODS
+from dart_infer.evaluation.records import Record, Unit, prompt_digest
 from dart_infer.target.bf16_weights import uses_bf16_weights
 
 log = logging.getLogger(__name__)
@@ -104,49 +103,11 @@ class Sampling:
         }
 
 
-@dataclass
-class Record:
-    """One (prompt, turn, sampling setting, method, dtype) generation."""
-
-    benchmark: str
-    prompt_id: str
-    turn: int
-    method: str
-    prompt_tokens: int
-    new_tokens: int
-    seconds: float
-    steps: int | None = None  # verification steps (None where the method does not report them)
-    step_tokens: int | None = None  # tokens emitted by those steps (the prefill's first token excluded)
-    accept_lengths: list[int] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    identical_to_ar: bool | None = None  # same output as `ar` in the same dtype, setting and seed
-    output_ids: list[int] = field(default_factory=list)
-    dtype: str = "float32"
-    label: str = ""  # the method's name in tables: `method`, or `method@fp32` outside the serving dtype
-    sampling: str = "T=0"
-    seed: int | None = None
-    # T=0 against the float32 target's greedy output (`ar` in float32), where that ran:
-    identical_to_fp32: bool | None = None
-    tokens_to_first_difference: int | None = None  # common prefix; the whole output when identical
-    prompt_index: int | None = None  # the conversation's position in its benchmark (prompt ids may repeat)
-
-
 def _dtype_label(run: _Run) -> str:
     """The dtype a run computed in; `float32 (bf16 weights)` for our methods on a model whose weights
     are rounded to bf16 (`dart_infer.target.bf16_weights`; vLLM's engines load their own weights)."""
     rounded = run.method not in VLLM_METHODS and uses_bf16_weights(run.model.base_model)
     return dtype_name(run.dtype) + (" (bf16 weights)" if rounded else "")
-
-
-# (benchmark, prompt index, prompt digest, sampling label, turn): what one measurement is of. The
-# digest makes an edited prompt file's rows new units rather than reuse records of other prompts.
-Unit = tuple[str, int, str, str, int]
-
-
-def prompt_digest(conversation: Conversation) -> str:
-    """A short stable digest of a conversation's messages."""
-    text = json.dumps(conversation.messages, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass

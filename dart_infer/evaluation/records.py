@@ -2,7 +2,7 @@
 
 The first line is a header holding the run's settings (everything that changes what a measurement
 means: model, head, trie, tree, methods, dtypes, sampling, max_new_tokens, seed, threads, device);
-then one line per record, `{"unit": [...], "record": {...}}`. A unit (`dart_infer.evaluation.evaluate.Unit`: one
+then one line per record, `{"unit": [...], "record": {...}}`. A unit (`Unit`: one
 prompt, turn and sampling setting) is measured with every method interleaved, so its records are
 appended together and fsynced before the next unit starts: a killed run loses at most that unit.
 
@@ -14,19 +14,59 @@ records holds nothing to lose and is replaced.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from dart_infer.common.configs import flatten_dotted
 from dart_infer.common.errors import InputError
-from dart_infer.evaluation.evaluate import Record, Unit
+from dart_infer.data.conversations import Conversation
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Record:
+    """One (prompt, turn, sampling setting, method, dtype) generation."""
+
+    benchmark: str
+    prompt_id: str
+    turn: int
+    method: str
+    prompt_tokens: int
+    new_tokens: int
+    seconds: float
+    steps: int | None = None  # verification steps (None where the method does not report them)
+    step_tokens: int | None = None  # tokens emitted by those steps (the prefill's first token excluded)
+    accept_lengths: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    identical_to_ar: bool | None = None  # same output as `ar` in the same dtype, setting and seed
+    output_ids: list[int] = field(default_factory=list)
+    dtype: str = "float32"
+    label: str = ""  # the method's name in tables: `method`, or `method@fp32` outside the serving dtype
+    sampling: str = "T=0"
+    seed: int | None = None
+    # T=0 against the float32 target's greedy output (`ar` in float32), where that ran:
+    identical_to_fp32: bool | None = None
+    tokens_to_first_difference: int | None = None  # common prefix; the whole output when identical
+    prompt_index: int | None = None  # the conversation's position in its benchmark (prompt ids may repeat)
+
+
+# (benchmark, prompt index, prompt digest, sampling label, turn): what one measurement is of. The
+# digest makes an edited prompt file's rows new units rather than reuse records of other prompts.
+Unit = tuple[str, int, str, str, int]
+
+
+def prompt_digest(conversation: Conversation) -> str:
+    """A short stable digest of a conversation's messages."""
+    text = json.dumps(conversation.messages, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 RECORDS_FILE = "records.jsonl"
 FORMAT = 1  # the header's "dart_eval_records" value

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dart_infer.common.files import atomic_path, atomic_write_bytes
-from dart_infer.evaluation.evaluate import PHASES, PLAIN, SPECULATIVE, Record
+from dart_infer.evaluation.evaluate import PHASES, PLAIN, SPECULATIVE
+from dart_infer.evaluation.records import Record
 
 log = logging.getLogger(__name__)
 
