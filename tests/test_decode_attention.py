@@ -1,7 +1,8 @@
-"""The decode-attention kernel (`torch.ops.dart.decode_attention`, dart_infer/csrc/kernels/decode_attention.cpp)
-and the attention implementation around it (`dart_infer.target.attention.DECODE_KERNEL`): SDPA's result for a
-step's rows over a strided cache, each row the same bits whatever rows or masked keys share the call, and
-greedy decoding through it still lossless."""
+"""The decode-attention kernel (`torch.ops.dart.decode_attention`, dart_infer/csrc/kernels/decode_attention.cpp),
+the prompt's (`torch.ops.dart.prefill_attention`, prefill_attention.cpp) and the attention implementation
+around them (`dart_infer.target.attention.DECODE_KERNEL`): SDPA's result for a step's rows over a strided
+cache, each row the same bits whatever rows or masked keys share the call, SDPA's causal result for a
+prompt, and greedy decoding through them still lossless."""
 
 from __future__ import annotations
 
@@ -60,19 +61,63 @@ def test_a_row_gets_the_same_bits_whatever_shares_the_call() -> None:
             assert torch.equal(together[:, :, 0], alone[:, :, 0]), (past, extra)
 
 
-def test_anything_else_runs_sdpa() -> None:
-    """A prompt (several rows, no mask), batches and bfloat16 go to SDPA (through packed GQA), unchanged."""
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (2, 1, 128), (1, 2, 8), (2, 2, 72)])
+@pytest.mark.parametrize("tokens", [2, 17, 48, 49, 130, 300])
+def test_prefill_kernel_matches_causal_sdpa(kv_heads: int, groups: int, dim: int, tokens: int) -> None:
+    """Laid out as transformers hands them over: the query a transposed view, the keys and values views of a
+    cache with spare room; every query-block and key-block edge (48 rows, 64 keys, 16-key tiles) crossed."""
+    load_kernels()
+    generator = torch.Generator().manual_seed(tokens + dim)
+    key, value = cache_views(kv_heads, tokens, dim, generator)
+    query = torch.randn(1, tokens, kv_heads * groups, dim, generator=generator).transpose(1, 2)
+    out = torch.ops.dart.prefill_attention(query, key, value, 0.3)
+    expected = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompt_runs_the_prefill_kernel_and_anything_else_sdpa() -> None:
+    """A causal prompt with nothing cached runs `prefill_attention`; batches, bfloat16, head sizes that are
+    not a multiple of 16 and a prompt after a cache (a mask) go to SDPA (through packed GQA), unchanged."""
     base, _ = tiny_pair("llama")
     module = base.model.layers[0].self_attn
     generator = torch.Generator().manual_seed(1)
-    for shape, dtype in (((1, 4, 9, 16), torch.float32), ((2, 4, 1, 16), torch.float32), ((1, 4, 1, 16), torch.bfloat16)):
+    cases = (((1, 4, 9, 16), 9, torch.float32, True), ((2, 4, 1, 16), 1, torch.float32, False),
+             ((1, 4, 1, 16), 1, torch.bfloat16, False), ((1, 4, 9, 12), 9, torch.float32, False),
+             ((1, 4, 3, 16), 7, torch.float32, False))
+    for shape, keys, dtype, kernel in cases:
         query = torch.randn(shape, generator=generator).to(dtype)
-        key = torch.randn(shape[0], 2, shape[2], 16, generator=generator).to(dtype)
-        value = torch.randn(shape[0], 2, shape[2], 16, generator=generator).to(dtype)
-        out, _ = decode_kernel_attention(module, query, key, value, None, scaling=0.25)
-        expected = F.scaled_dot_product_attention(query, key, value, is_causal=shape[2] > 1, scale=0.25,
-                                                  enable_gqa=True).transpose(1, 2)
+        key = torch.randn(shape[0], 2, keys, shape[3], generator=generator).to(dtype)
+        value = torch.randn(shape[0], 2, keys, shape[3], generator=generator).to(dtype)
+        mask = None
+        if keys > shape[2]:  # rows after a cache: each sees the cache and the rows up to itself
+            mask = torch.ones(shape[2], keys, dtype=torch.bool).tril(keys - shape[2])[None, None]
+        with torch.profiler.profile() as profile:
+            out, _ = decode_kernel_attention(module, query, key, value, mask, scaling=0.25)
+        ran = {event.name for event in profile.events()}
+        assert ("dart::prefill_attention" in ran) == kernel, shape
+        expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None and shape[2] > 1,
+                                                  scale=0.25, enable_gqa=True).transpose(1, 2)
         torch.testing.assert_close(out, expected)
+
+
+def test_a_model_prompt_goes_through_the_prefill_kernel() -> None:
+    """transformers leaves a fresh prompt's mask to is_causal, so a model on the kernel runs it there."""
+    base, _ = tiny_pair("llama")
+    use_decode_attention(base)
+    prompt = torch.randint(3, 48, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.profiler.profile() as profile:
+        base(prompt)
+    ran = [event.name for event in profile.events()]
+    assert ran.count("dart::prefill_attention") == base.config.num_hidden_layers
+
+
+def test_prefill_kernel_refuses_what_it_cannot_compute() -> None:
+    load_kernels()
+    query, key = torch.randn(1, 4, 9, 12), torch.randn(1, 2, 9, 12)
+    with pytest.raises(RuntimeError, match="head size must be a multiple of 8"):
+        torch.ops.dart.prefill_attention(query, key, key, 0.2)
+    with pytest.raises(RuntimeError, match="same T positions"):
+        torch.ops.dart.prefill_attention(torch.randn(1, 4, 9, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16), 0.2)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

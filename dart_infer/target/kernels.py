@@ -1,6 +1,6 @@
 """Our CPU kernels as torch ops (`torch.ops.dart.*`), from the compiled `dart_infer._kernels` library
 (dart_infer/csrc/kernels/, built by `make build`): `bf16_weight_linear` and its `bf16_weight_pack`
-(`dart_infer.target.bf16_weights`), `decode_attention` (`dart_infer.target.attention`), `rms_norm` and
+(`dart_infer.target.bf16_weights`), `decode_attention` and `prefill_attention` (`dart_infer.target.attention`), `rms_norm` and
 `silu_mul` (`dart_infer.target.fused_blocks`). Each has a shape function, so graphs that call them also
 trace (torch.compile)."""
 
@@ -43,6 +43,10 @@ def load_kernels() -> None:
         def _attention_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              mask: torch.Tensor | None, scale: float) -> torch.Tensor:
             return query.new_empty(query.shape)
+
+        @torch.library.register_fake("dart::prefill_attention")
+        def _prefill_shape(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+            return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
 
         @torch.library.register_fake("dart::rms_norm")
         def _norm_shape(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
