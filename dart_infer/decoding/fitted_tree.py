@@ -13,8 +13,9 @@ AVX-512 CPU without AMX ~1.8 plain steps, on AVX2 in float32 more (issue 40). So
   bookkeeping time from the same run.
 
 The size with the most tokens per second, τ(n) / step(n), wins (ties: the smaller). The whole fit is
-kept in `<cache>/machine/tree-<key>.json`, keyed by the CPU fingerprint, the model, head, trie, dtype and
-the other tree settings; deleting it measures again. Step costs are the eager step's: a compiled
+kept in `<cache>/machine/tree-<key>.json`, keyed by the CPU fingerprint, the model, head, trie, dtype, the
+other tree settings and, where our kernels run (bf16 weights), their `KERNELS_VERSION`; deleting it
+measures again. Step costs are the eager step's: a compiled
 target (`compile_decoding`) compiles the sizes this fit chose.
 """
 
@@ -42,6 +43,7 @@ from dart_infer.decoding.loop import decode_steps
 from dart_infer.decoding.sampling import Sampler
 from dart_infer.target.adapter import TargetModel
 from dart_infer.target.bf16_weights import uses_bf16_weights
+from dart_infer.target.kernels import KERNELS_VERSION
 from dart_infer.tree.settings import DraftTree, TreeSearchSettings, draft_trees
 
 __all__ = ["CANDIDATE_SIZES", "TreeFit", "fit_tree_size", "model_tree_fit"]
@@ -192,7 +194,7 @@ def _cache_key(model: Any, settings: TreeSearchSettings, sizes: tuple[int, ...])
                                            "tokenizer": trie.tokenizer_fingerprint},
         "dtype": str(model.target.dtype),
         # Other step costs than plain float32 (only named when set: earlier fits keep their key).
-        **({"bf16_weights": True} if uses_bf16_weights(model.base_model) else {}),
+        **({"bf16_weights": True, "kernels": KERNELS_VERSION} if uses_bf16_weights(model.base_model) else {}),
         "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "remain_total"},
         "sizes": list(sizes),
     }
