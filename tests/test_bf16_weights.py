@@ -53,16 +53,20 @@ def test_kernel_refuses_what_it_cannot_multiply() -> None:
         torch.ops.dart.bf16_weight_linear(torch.randn(1, 9), packed, None)
 
 
-def test_module_rounds_in_place_and_takes_the_fp32_copy_for_prompts() -> None:
+def test_module_rounds_in_place_and_takes_the_onednn_copy_for_prompts() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(24, 32)
     original = linear.weight.detach().clone()
     module = Bf16WeightLinear(linear)
     assert torch.equal(module.weight, original.to(torch.bfloat16).float())  # rounded, still float32
     assert module.weight is linear.weight  # a tied embedding sees the same rounding
-    few, many = torch.randn(3, 24), torch.randn(MAX_KERNEL_ROWS + 1, 24)
+    few, many = torch.randn(3, 24), torch.randn(1, MAX_KERNEL_ROWS + 1, 24)
     torch.testing.assert_close(module(few), F.linear(few, module.weight, module.bias))
-    torch.testing.assert_close(module(many), F.linear(many, module.weight, module.bias))
+    with torch.profiler.profile() as profile:
+        out = module(many)
+    torch.testing.assert_close(out, F.linear(many, module.weight, module.bias))
+    ran = {event.name for event in profile.events()}
+    assert "mkldnn::_linear_pointwise" in ran and "dart::bf16_weight_linear" not in ran  # the prompt's oneDNN copy
 
 
 @pytest.mark.parametrize("tree", [TreeSearchSettings(draft_top_k=4, beam_width=4, remain_total=8),
@@ -72,8 +76,8 @@ def test_greedy_dart_through_bf16_weights_is_lossless(tree: TreeSearchSettings) 
     use_bf16_weights(base)
     assert uses_bf16_weights(base) and isinstance(base.lm_head, Bf16WeightLinear)
     model = DartModel(base, head, tree=tree)
-    for i in range(5):
-        prompt = torch.randint(3, 48, (1, 3 + 5 * i), generator=torch.Generator().manual_seed(i))
+    for i in range(5):  # prompts of 3 to 123 tokens: the kernel's rows and the prompt's oneDNN GEMM
+        prompt = torch.randint(3, 48, (1, 3 + 30 * i), generator=torch.Generator().manual_seed(i))
         expected = reference(base, prompt, 32)  # transformers' generate on the same (rounded) model
         assert torch.equal(model.dart_generate(prompt, max_new_token_num=32), expected), i
         assert torch.equal(model.ar_generate(prompt, max_new_token_num=32), expected), i

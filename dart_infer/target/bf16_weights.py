@@ -9,8 +9,11 @@ widens them to fp32 in registers, with fp32 activations and sums. On CPUs that h
 What changes: every linear weight of the target is rounded to bf16 (exact for a checkpoint released
 in bf16, as most are; a rounding of 2^-9 relative otherwise), so the served model is that rounded
 model in fp32 arithmetic. A forward of more than `MAX_KERNEL_ROWS` rows (the prompt) multiplies the
-rounded fp32 copy with torch's own GEMM, faster there; a row's result does not depend on how many rows
-share the call (the kernel sums in one order), so greedy DART still equals greedy plain decoding.
+rounded fp32 weights with oneDNN's GEMM, on a copy packed for it once (`prompt_linear`): 208 GFLOP/s
+against 178 for torch's own `linear` (MKL) on SmolLM2's prompt linears (1,300 rows, AVX2, 2 threads;
+vLLM's CPU prompt runs the same oneDNN kernels), for one more fp32 copy of the weights in memory. A
+row's result does not depend on how many rows share a kernel call (the kernel sums in one order), so
+greedy DART still equals greedy plain decoding.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ __all__ = ["MAX_KERNEL_ROWS", "Bf16WeightLinear", "bf16_weights_pay", "resolve_b
            "uses_bf16_weights"]
 
 MAX_KERNEL_ROWS = 64  # the largest verified tree; prompts go through the fp32 copy
+PROMPT_ROWS_HINT = 1024  # the input rows oneDNN blocks the prompt's weights for
 
 
 class Bf16WeightLinear(nn.Module):
@@ -38,11 +42,32 @@ class Bf16WeightLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.register_buffer("packed", torch.ops.dart.bf16_weight_pack(linear.weight.detach()), persistent=False)
+        # The prompt's copy: an opaque oneDNN tensor, so an attribute rather than a buffer (`.to()` and
+        # state_dict leave it alone; a served model stays where it is).
+        self.prompt_weight = _onednn_packed(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features <= MAX_KERNEL_ROWS:
             return torch.ops.dart.bf16_weight_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return prompt_linear(x, self.weight, self.bias, self.prompt_weight)
+
+
+def _onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] packed for oneDNN's fp32 GEMM (blocked for prompt-sized inputs), or None where
+    torch has no oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PROMPT_ROWS_HINT)
+
+
+def prompt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a prompt's many rows, through oneDNN's GEMM on `packed`
+    (`_onednn_packed(weight)`) when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def bf16_weights_pay(dtype: torch.dtype, device: torch.device | str) -> bool:
