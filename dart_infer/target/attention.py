@@ -16,8 +16,9 @@ computation as before; a test checks the outputs equal the stock path's.
 cache across threads and gives each row the same bits whatever rows or masked keys share the call; a
 causal prompt with nothing cached before it runs `torch.ops.dart.prefill_attention`
 (dart_infer/csrc/kernels/prefill_attention.cpp, register-tiled flash attention: 1.4x SDPA at 1,300
-tokens, 2x at 100-500, AVX2, 2 threads); other prompts (a mask, a cache before them) run SDPA. It is a model's own attention implementation (`use_decode_attention`), not
-scoped to our calls, so `generate` on that model computes as our loop does. Served with bf16 weights
+tokens, 2x at 100-500, AVX2, 2 threads); other prompts (a mask, a cache before them) run SDPA. It is
+a model's own attention implementation (`use_decode_attention`), not scoped to our calls, so
+`generate` on that model computes as our loop does. Served with bf16 weights
 (`dart_infer.target.bf16_weights`), where the model is already ours; a plain float32 model keeps SDPA.
 """
 

@@ -24,10 +24,10 @@ from torch import nn
 
 from dart_infer.target.kernels import PANEL_COLUMNS, load_kernels
 
-__all__ = ["MAX_KERNEL_ROWS", "Bf16WeightLinear", "bf16_weights_pay", "resolve_bf16_weights", "use_bf16_weights",
-           "uses_bf16_weights"]
+__all__ = ["MAX_KERNEL_ROWS", "Bf16WeightLinear", "bf16_weights_pay", "prompt_linear", "resolve_bf16_weights",
+           "use_bf16_weights", "uses_bf16_weights"]
 
-MAX_KERNEL_ROWS = 64  # the largest verified tree; prompts go through the fp32 copy
+MAX_KERNEL_ROWS = 64  # the largest verified tree; prompts go through the oneDNN copy
 PROMPT_ROWS_HINT = 1024  # the input rows oneDNN blocks the prompt's weights for
 
 
