@@ -95,9 +95,9 @@ def decode_kernel_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """`packed_gqa_attention`'s arguments (transformers passes dropout, scaling, ... by name); a step's rows
-    on a float32 CPU model go through `torch.ops.dart.decode_attention`, anything else through
-    `packed_gqa_attention`."""
+    """`packed_gqa_attention`'s arguments (transformers passes dropout, scaling, ... by name); on a float32
+    CPU model a step's rows go through `torch.ops.dart.decode_attention` and a causal prompt with nothing
+    cached through `torch.ops.dart.prefill_attention`, anything else through `packed_gqa_attention`."""
     batch, heads, rows, dim = query.shape
     mask: torch.Tensor | None | bool = False
     plain = (batch == 1 and query.device.type == "cpu" and query.dtype == torch.float32 and dim % 8 == 0
