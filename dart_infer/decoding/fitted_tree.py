@@ -15,8 +15,8 @@ AVX-512 CPU without AMX ~1.8 plain steps, on AVX2 in float32 more (issue 40). So
 The size with the most tokens per second, τ(n) / step(n), wins (ties: the smaller). The whole fit is
 kept in `<cache>/machine/tree-<key>.json`, keyed by the CPU fingerprint, the model, head, trie, dtype, the
 other tree settings and, where our kernels run (bf16 weights), their `KERNELS_VERSION`; deleting it
-measures again. Step costs are the eager step's: a compiled
-target (`compile_decoding`) compiles the sizes this fit chose.
+measures again. Step costs are the eager step's: a compiled target (`compile_decoding`) compiles the
+sizes this fit chose.
 """
 
 from __future__ import annotations

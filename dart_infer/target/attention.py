@@ -91,6 +91,12 @@ def _kernel_mask(attention_mask: torch.Tensor | None, rows: int, keys: int) -> t
     return mask.contiguous() if mask.dtype == torch.float32 else False
 
 
+def _is_causal(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """transformers' rule: the call's `is_causal` where given, else the module's (decoders: True)."""
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if causal is None else causal)
+
+
 def decode_kernel_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, **kwargs: Any,
@@ -105,10 +111,8 @@ def decode_kernel_attention(
              and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux")))
     scaling = kwargs.get("scaling")
     scale = dim**-0.5 if scaling is None else scaling
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else causal
-    if (plain and causal and attention_mask is None and rows > 1 and key.shape[2] == rows
-            and query.stride(-1) == 1 and kwargs.get("sliding_window") is None):
+    if (plain and attention_mask is None and rows > 1 and key.shape[2] == rows and query.stride(-1) == 1
+            and kwargs.get("sliding_window") is None and _is_causal(module, kwargs)):
         # A prompt with nothing cached before it: causal, the mask left to is_causal (transformers' sdpa_mask).
         return torch.ops.dart.prefill_attention(query, key, value, scale), None
     if plain and rows <= MAX_DECODE_ROWS:

@@ -28,7 +28,7 @@ using dart_simd::exp_nonpositive;
 
 constexpr int64_t kQBlock = 48;  // query rows per task: 8 tiles of 6
 constexpr int64_t kKBlock = 64;  // keys per online-softmax step
-constexpr int64_t kTile = 6;     // rows per micro-tile (12 accumulators + 2 loads + 1 broadcast)
+constexpr int kTile = 6;         // rows per micro-tile (12 accumulators + 2 loads + 1 broadcast)
 constexpr int64_t kCols = 16;    // columns per micro-tile: two registers
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -93,7 +93,7 @@ inline void value_tile(const float* p, int64_t ldp, const float* v, int64_t ldv,
 template <typename Tile>
 inline void by_tiles(int64_t rows, Tile&& tile) {  // tile(first row, row count as a constant)
   int64_t r = 0;
-  for (; r + kTile <= rows; r += kTile) tile(r, std::integral_constant<int, 6>{});
+  for (; r + kTile <= rows; r += kTile) tile(r, std::integral_constant<int, kTile>{});
   switch (rows - r) {
     case 5: tile(r, std::integral_constant<int, 5>{}); break;
     case 4: tile(r, std::integral_constant<int, 4>{}); break;
