@@ -16,7 +16,7 @@ __all__ = ["KERNELS_VERSION", "PANEL_COLUMNS", "load_kernels"]
 PANEL_COLUMNS = 16  # bf16_weight_pack's panel width: out_features must be a multiple
 # Raised whenever a kernel's speed changes: tree sizes fitted with these kernels (tree="auto") are keyed by
 # it, so a machine measures again instead of serving a size fitted to the old step costs.
-KERNELS_VERSION = 3
+KERNELS_VERSION = 4
 
 _lock = threading.Lock()
 _loaded = False
