@@ -1,26 +1,45 @@
-"""Fused RMSNorm and gated-MLP modules for a float32 CPU model served with bf16 weights (`use_fused_blocks`).
+"""Fused RMSNorm, gated-MLP and rotary embedding for a float32 CPU model served with bf16 weights
+(`use_fused_blocks`).
 
 Eagerly, a one-token step of SmolLM2-135M runs ~1,000 small ops besides its linears: each of transformers'
 RMSNorms is eight (cast, pow, mean, add, rsqrt, mul, cast, mul), each gated MLP two linears, a silu and
-a mul. `FusedRMSNorm` is one `torch.ops.dart.rms_norm`; `FusedGatedMLP` multiplies gate and up in one
-linear ([gate; up] stacked, so with bf16 weights one kernel call reads both) and applies
-`torch.ops.dart.silu_mul` (dart_infer/csrc/kernels/fused_ops.cpp).
+a mul, each rotary embedding fourteen. `FusedRMSNorm` is one `torch.ops.dart.rms_norm`; `FusedGatedMLP`
+multiplies gate and up in one linear ([gate; up] stacked, so with bf16 weights one kernel call reads both)
+and applies `torch.ops.dart.silu_mul`; Llama-style attention modules (`ROTARY_RULES`) get a forward that
+rotates queries and keys with `torch.ops.dart.rotary` (transformers' roundings, bit for bit), the rest of
+it as transformers' (dart_infer/csrc/kernels/fused_ops.cpp).
 
 A module is replaced only where its replacement gives the same output on a probe input (to float
-rounding): a norm with another formula (Gemma's 1 + weight) or an MLP with another activation keeps its
-own. Like the decode-attention kernel, it changes the served model itself, so `generate` on it computes
+rounding): a norm with another formula (Gemma's 1 + weight), an MLP with another activation or an
+attention with another forward keeps its own. Like the decode-attention kernel, it changes the served model itself, so `generate` on it computes
 as our loop does; plain float32 keeps transformers' modules.
 """
 
 from __future__ import annotations
 
+import sys
+import types
+from typing import Any
+
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dart_infer.target.kernels import load_kernels
 from dart_infer.target.step_cost import use_fast_matmul_layout
 
-__all__ = ["FusedGatedMLP", "FusedRMSNorm", "use_fused_blocks"]
+__all__ = ["ROTARY_RULES", "FusedGatedMLP", "FusedRMSNorm", "fused_rotary_attention_forward", "use_fused_blocks"]
+
+# transformers' attention classes whose forward is Llama's (q/k/v projections, Qwen3's per-head q/k norms
+# before the rotation, the cache update, the model's attention function, o_proj), with where each takes
+# the `sliding_window` it passes to the attention function (None: it passes none).
+ROTARY_RULES: dict[str, str | None] = {
+    "LlamaAttention": None,
+    "MistralAttention": "config",
+    "Qwen2Attention": "module",
+    "Qwen3Attention": "module",
+}
 
 
 class FusedRMSNorm(nn.Module):
@@ -45,6 +64,56 @@ class FusedGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.ops.dart.silu_mul(self.gate_up(x)))
+
+
+def fused_rotary_attention_forward(
+    self: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A `ROTARY_RULES` attention's forward (bound to the module), the rotation in one op."""
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query = self.q_proj(hidden_states).view(hidden_shape)
+    key = self.k_proj(hidden_states).view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head's vector before the rotation
+        query, key = self.q_norm(query), self.k_norm(key)
+    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = torch.ops.dart.rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    # As transformers looks it up: the registered function, else the modeling file's own eager one.
+    eager = sys.modules[type(self).__module__].eager_attention_forward
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    rule = ROTARY_RULES[type(self).__name__]
+    if rule is not None:
+        kwargs["sliding_window"] = getattr(self.config if rule == "config" else self, "sliding_window", None)
+    out, weights = attention(self, query, key, value, attention_mask,
+                             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                             **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _use_fused_rotary(attention: nn.Module, config: Any) -> bool:
+    """Give `attention` (a `ROTARY_RULES` class) the fused forward where it computes what its own does on a
+    probe (a 3-token prompt, then one token over it); returns whether it did."""
+    width, dim = int(config.hidden_size), int(attention.head_dim)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(1, 4, width, generator=generator)
+    angles = torch.randn(1, 4, dim, generator=generator)
+    outputs = []
+    for forward in (attention.forward, types.MethodType(fused_rotary_attention_forward, attention)):
+        cache = DynamicCache(config=config)
+        with torch.no_grad():
+            first, _ = forward(tokens[:, :3], (angles[:, :3].cos(), angles[:, :3].sin()), None, cache=cache)
+            second, _ = forward(tokens[:, 3:], (angles[:, 3:].cos(), angles[:, 3:].sin()), None, cache=cache)
+        outputs.append(torch.cat([first, second], dim=1))
+    expected, got = outputs
+    scale = max(float(expected.abs().max()), 1.0)
+    if expected.shape != got.shape or float((got - expected).abs().max()) > 1e-5 * scale:
+        return False
+    attention.forward = types.MethodType(fused_rotary_attention_forward, attention)
+    return True
 
 
 def _same_output(original: nn.Module, fused: nn.Module, width: int) -> bool:
@@ -83,5 +152,9 @@ def use_fused_blocks(model: nn.Module) -> nn.Module:
             fused = _fused(child)
             if fused is not None:
                 setattr(parent, name, fused)
+    text_config = model.config.get_text_config(decoder=True)
+    for module in model.modules():
+        if type(module).__name__ in ROTARY_RULES and "forward" not in vars(module):
+            _use_fused_rotary(module, text_config)
     use_fast_matmul_layout(model)  # the stacked gate/up too: prompts multiply it with torch's GEMM
     return model

@@ -1,7 +1,7 @@
 """Our CPU kernels as torch ops (`torch.ops.dart.*`), from the compiled `dart_infer._kernels` library
 (dart_infer/csrc/kernels/, built by `make build`): `bf16_weight_linear` and its `bf16_weight_pack`
 (`dart_infer.target.bf16_weights`), `decode_attention` and `prefill_attention` (`dart_infer.target.attention`), `rms_norm` and
-`silu_mul` (`dart_infer.target.fused_blocks`). Each has a shape function, so graphs that call them also
+`silu_mul`, `rotary` (`dart_infer.target.fused_blocks`). Each has a shape function, so graphs that call them also
 trace (torch.compile)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ __all__ = ["KERNELS_VERSION", "PANEL_COLUMNS", "load_kernels"]
 PANEL_COLUMNS = 16  # bf16_weight_pack's panel width: out_features must be a multiple
 # Raised whenever a kernel's speed changes: tree sizes fitted with these kernels (tree="auto") are keyed by
 # it, so a machine measures again instead of serving a size fitted to the old step costs.
-KERNELS_VERSION = 4
+KERNELS_VERSION = 5
 
 _lock = threading.Lock()
 _loaded = False
@@ -54,6 +54,11 @@ def load_kernels() -> None:
         @torch.library.register_fake("dart::rms_norm")
         def _norm_shape(input: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             return input.new_empty(input.shape)
+
+        @torch.library.register_fake("dart::rotary")
+        def _rotary_shape(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return query.new_empty(query.shape), key.new_empty(key.shape)
 
         @torch.library.register_fake("dart::silu_mul")
         def _silu_mul_shape(gate_up: torch.Tensor) -> torch.Tensor:
