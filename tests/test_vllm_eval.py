@@ -26,6 +26,8 @@ def test_vllm_plain_runs_beside_our_methods_with_the_same_greedy_tokens(vllm_tar
         evaluator = Evaluator(model, settings, vllm={"vllm": vllm})
         evaluator.warm_up()
         records = evaluator.run("tiny", conversations, progress=False)
+        # Each vLLM request was waited out (its worker busy-polls after one): its processes are idle now.
+        assert vllm.wait_idle(max_seconds=1.0) < 0.5
     by_method = {m: [r for r in records if r.method == m] for m in ("ar", "vllm")}
     assert len(by_method["vllm"]) == 2 and all(r.seconds > 0 for r in by_method["vllm"])
     for ours, theirs in zip(by_method["ar"], by_method["vllm"], strict=True):

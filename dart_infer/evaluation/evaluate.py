@@ -30,7 +30,6 @@ hands each measured unit to `save` at once and takes the units a previous run me
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -58,10 +57,6 @@ PLAIN = ("ar", "hf_generate", "vllm")  # plain decoding: the speedup baselines
 RECAST = ("ar", "hf_generate")  # the plain methods also timed in every dtype of `plain_models`
 SPECULATIVE = ("dart", "dart_no_trie", "eagle3", "vllm_ngram", "vllm_dart", "vllm_dart_trie", "vllm_eagle3")
 PHASES = ("prefill", "draft", "search", "verify", "bookkeeping")
-# After a request, vLLM-CPU's OpenMP threads (Intel OpenMP, KMP_BLOCKTIME 200 ms) spin on every core before
-# sleeping; a method timed right then shares the cores with them (measured: a 1,300-token prefill of ours
-# 0.13 s slower right after a vLLM request than 1 s later, 2 cores). The next method waits them out.
-VLLM_SETTLE_SECONDS = 0.3
 _SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
@@ -277,8 +272,8 @@ class Evaluator:
         speculative ones report vLLM's own acceptance counts."""
         new, seconds, accepts = self.vllm[run.method].generate(
             ids.tolist(), max_new, sampling.temperature, sampling.top_p, sampling.top_k, seed)
-        if run.model.target.device.type == "cpu":
-            time.sleep(VLLM_SETTLE_SECONDS)
+        if run.model.target.device.type == "cpu":  # its processes keep a core busy for a while: wait them out
+            self.vllm[run.method].wait_idle()
         extra: dict[str, Any] = {}
         if accepts is not None:
             # vLLM counts steps that had a draft; a step without one (n-gram lookup found nothing) still

