@@ -11,8 +11,8 @@ it as transformers' (dart_infer/csrc/kernels/fused_ops.cpp).
 
 A module is replaced only where its replacement gives the same output on a probe input (to float
 rounding): a norm with another formula (Gemma's 1 + weight), an MLP with another activation or an
-attention with another forward keeps its own. Like the decode-attention kernel, it changes the served model itself, so `generate` on it computes
-as our loop does; plain float32 keeps transformers' modules.
+attention with another forward keeps its own. Like the decode-attention kernel, it changes the served
+model itself, so `generate` on it computes as our loop does; plain float32 keeps transformers' modules.
 """
 
 from __future__ import annotations
