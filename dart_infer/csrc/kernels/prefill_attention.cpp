@@ -27,7 +27,7 @@ namespace {
 using dart_simd::exp_nonpositive;
 
 constexpr int64_t kQBlock = 48;  // query rows per task: 8 tiles of 6
-constexpr int64_t kKBlock = 64;  // keys per online-softmax step
+constexpr int64_t kKBlock = 128;  // keys per online-softmax step
 constexpr int kTile = 6;         // rows per micro-tile (12 accumulators + 2 loads + 1 broadcast)
 constexpr int64_t kCols = 16;    // columns per micro-tile: two registers
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -142,22 +142,28 @@ void task(const Problem& P, int64_t h, int64_t t0, int64_t t1) {
         std::fill(sr, sr + n16, 0.f);
         continue;
       }
+      // The block's largest raw score (scale > 0 keeps it the largest scaled one); keys after the diagonal
+      // become -inf, and only the diagonal block has any.
       __m256 best = ninf;
-      for (int64_t j = 0; j < n16; j += 8) {
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(visible - j)), lane));
-        const __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(sr + j), vscale), keep);
-        _mm256_storeu_ps(sr + j, x);
-        best = _mm256_max_ps(best, x);
+      if (visible >= n16) {
+        for (int64_t j = 0; j < n16; j += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(sr + j));
+      } else {
+        for (int64_t j = 0; j < n16; j += 8) {
+          const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(visible - j)), lane));
+          const __m256 x = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + j), keep);
+          _mm256_storeu_ps(sr + j, x);
+          best = _mm256_max_ps(best, x);
+        }
       }
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, best);
-      const float block_top = *std::max_element(lanes, lanes + 8);
+      const float block_top = *std::max_element(lanes, lanes + 8) * P.scale;
       const float new_top = std::max(top[r], block_top);
       const float alpha = top[r] == kNegInf ? 0.f : std::exp(top[r] - new_top);
       __m256 total = _mm256_setzero_ps();
       const __m256 shift = _mm256_set1_ps(new_top);
-      for (int64_t j = 0; j < n16; j += 8) {
-        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sr + j), shift));
+      for (int64_t j = 0; j < n16; j += 8) {  // e^(score * scale - max), the scaling fused in
+        const __m256 e = exp_nonpositive(_mm256_fmsub_ps(_mm256_loadu_ps(sr + j), vscale, shift));
         _mm256_storeu_ps(sr + j, e);
         total = _mm256_add_ps(total, e);
       }
@@ -200,6 +206,7 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
               "prefill_attention: query, key and value must cover the same T positions with one head size");
   TORCH_CHECK(D % 8 == 0 && D <= 256, "prefill_attention: head size must be a multiple of 8 up to 256, got ", D);
   TORCH_CHECK(query.stride(3) == 1 && value.stride(3) == 1, "prefill_attention: query/value rows must be contiguous");
+  TORCH_CHECK(scale > 0, "prefill_attention: the scale must be positive, got ", scale);  // the max is taken unscaled
   const int64_t T16 = (T + kCols - 1) / kCols * kCols;
   at::Tensor kt = at::zeros({KV, D, T16}, key.options());
   kt.narrow(2, 0, T).copy_(key[0].transpose(1, 2));
