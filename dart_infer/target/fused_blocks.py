@@ -18,7 +18,6 @@ model itself, so `generate` on it computes as our loop does; plain float32 keeps
 from __future__ import annotations
 
 import sys
-import types
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from dart_infer.target.kernels import load_kernels
 from dart_infer.target.step_cost import use_fast_matmul_layout
 
-__all__ = ["ROTARY_RULES", "FusedGatedMLP", "FusedRMSNorm", "fused_rotary_attention_forward", "use_fused_blocks"]
+__all__ = ["ROTARY_RULES", "FusedGatedMLP", "FusedRMSNorm", "FusedRotaryForward", "use_fused_blocks"]
 
 # transformers' attention classes whose forward is Llama's (q/k/v projections, Qwen3's per-head q/k norms
 # before the rotation, the cache update, the model's attention function, o_proj), with where each takes
@@ -66,32 +65,41 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(torch.ops.dart.silu_mul(self.gate_up(x)))
 
 
-def fused_rotary_attention_forward(
-    self: nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None = None, cache: Any = None, **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A `ROTARY_RULES` attention's forward (bound to the module), the rotation in one op."""
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape)
-    key = self.k_proj(hidden_states).view(hidden_shape)
-    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm over each head's vector before the rotation
-        query, key = self.q_norm(query), self.k_norm(key)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = torch.ops.dart.rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-    if cache is not None:
-        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    # As transformers looks it up: the registered function, else the modeling file's own eager one.
-    eager = sys.modules[type(self).__module__].eager_attention_forward
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-    rule = ROTARY_RULES[type(self).__name__]
-    if rule is not None:
-        kwargs["sliding_window"] = getattr(self.config if rule == "config" else self, "sliding_window", None)
-    out, weights = attention(self, query, key, value, attention_mask,
-                             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-                             **kwargs)
-    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+class FusedRotaryForward:
+    """A `ROTARY_RULES` attention's forward, the rotation in one op; set as the module's `forward`. What the
+    class decides (Qwen3's q/k norms, the eager fallback, where `sliding_window` comes from) is looked up
+    once here, not on every call of a decoding step."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        self.attention = attention
+        self.norms = hasattr(attention, "q_norm")  # Qwen3: RMSNorm over each head's vector before the rotation
+        # As transformers looks the function up: the registered one, else the modeling file's own eager one.
+        self.eager = sys.modules[type(attention).__module__].eager_attention_forward
+        rule = ROTARY_RULES[type(attention).__name__]
+        self.window_owner = None if rule is None else attention.config if rule == "config" else attention
+
+    def __call__(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                 attention_mask: torch.Tensor | None = None, cache: Any = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        module = self.attention
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, module.head_dim)
+        query = module.q_proj(hidden_states).view(hidden_shape)
+        key = module.k_proj(hidden_states).view(hidden_shape)
+        if self.norms:
+            query, key = module.q_norm(query), module.k_norm(key)
+        value = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = torch.ops.dart.rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, self.eager)
+        if self.window_owner is not None:
+            kwargs["sliding_window"] = getattr(self.window_owner, "sliding_window", None)
+        out, weights = attention(module, query, key, value, attention_mask,
+                                 dropout=0.0 if not module.training else module.attention_dropout,
+                                 scaling=module.scaling, **kwargs)
+        return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def _use_fused_rotary(attention: nn.Module, config: Any) -> bool:
@@ -102,7 +110,8 @@ def _use_fused_rotary(attention: nn.Module, config: Any) -> bool:
     tokens = torch.randn(1, 4, width, generator=generator)
     angles = torch.randn(1, 4, dim, generator=generator)
     outputs = []
-    for forward in (attention.forward, types.MethodType(fused_rotary_attention_forward, attention)):
+    fused = FusedRotaryForward(attention)
+    for forward in (attention.forward, fused):
         cache = DynamicCache(config=config)
         with torch.no_grad():
             first, _ = forward(tokens[:, :3], (angles[:, :3].cos(), angles[:, :3].sin()), None, cache=cache)
@@ -112,7 +121,7 @@ def _use_fused_rotary(attention: nn.Module, config: Any) -> bool:
     scale = max(float(expected.abs().max()), 1.0)
     if expected.shape != got.shape or float((got - expected).abs().max()) > 1e-5 * scale:
         return False
-    attention.forward = types.MethodType(fused_rotary_attention_forward, attention)
+    attention.forward = fused
     return True
 
 

@@ -100,11 +100,12 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const float* sp = s.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t vector_end = half % 8 == 0 ? half : 0;  // whole registers per half, else scalar
+  const int64_t sb = x.stride(0), sh = x.stride(1), st = x.stride(2), per_sequence = c.size(0) > 1;
   at::parallel_for(0, B * H * T, 256, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
       const int64_t b = row / (H * T), h = row / T % H, t = row % T;
-      const float* xr = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
-      const int64_t cs = ((c.size(0) == 1 ? 0 : b) * T + t) * D;
+      const float* xr = xp + b * sb + h * sh + t * st;
+      const int64_t cs = (b * per_sequence * T + t) * D;
       float* o = op + row * D;
       for (int64_t i = 0; i < vector_end; i += 8) {
         const __m256 x1 = _mm256_loadu_ps(xr + i), x2 = _mm256_loadu_ps(xr + half + i);
