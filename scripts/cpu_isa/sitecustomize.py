@@ -22,18 +22,21 @@ def _patch_torch(torch) -> None:
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Wraps torch's loader so the patch runs right after `import torch` finishes."""
+    """Wraps torch's loader so the patch runs right after `import torch` finishes. It stays on
+    sys.meta_path until then: a probe such as `importlib.util.find_spec("torch")` (vLLM's engine
+    processes make one before importing torch) asks for a spec without executing it."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
             return None
-        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_and_patch(module) -> None:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             exec_module(module)
             _patch_torch(module)
 
