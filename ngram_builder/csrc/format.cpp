@@ -3,6 +3,10 @@
 
 #include <cerrno>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
 
 namespace ngb {
 
@@ -189,6 +193,21 @@ void FileReader::read(void* p, size_t n) {
     n -= k;
     pos_ += k;
   }
+}
+
+TempPath::TempPath(const std::string& path) : final(path) {
+  if (!path.empty()) tmp = path + ".partial-" + std::to_string(::getpid());
+}
+
+void TempPath::commit() {
+  if (tmp.empty()) return;
+  if (std::rename(tmp.c_str(), final.c_str()) != 0)
+    throw IoError("cannot move '" + tmp + "' to '" + final + "': " + std::strerror(errno));
+  committed = true;
+}
+
+TempPath::~TempPath() {
+  if (!tmp.empty() && !committed) std::remove(tmp.c_str());
 }
 
 }  // namespace ngb

@@ -181,6 +181,19 @@ class FileWriter {
   Hasher hash_;
 };
 
+// A file written under a temporary name ("<path>.partial-<pid>") and renamed over `path` by commit(): a
+// reader never sees a half-written file, and one that was never committed is removed. An empty path
+// (an image written to memory) does nothing.
+struct TempPath {
+  std::string tmp, final;
+  bool committed = false;
+  explicit TempPath(const std::string& path);
+  TempPath(const TempPath&) = delete;
+  TempPath& operator=(const TempPath&) = delete;
+  void commit();  // throws IoError when the rename fails
+  ~TempPath();
+};
+
 // Buffered sequential file reader with bounds checks (errors name the file).
 class FileReader {
  public:

@@ -154,7 +154,7 @@ class TrieView : public dart::NgramQuery {
                            float* probs, int32_t* matched) const;
   // The hot path (dense level-1 index and level-2 hash present). A query (one row, at most 64
   // candidates) is split into stages, each issuing the prefetches the next one needs; a batch
-  // runs several queries' stages interleaved so that their cache misses overlap (trie.cpp).
+  // runs several queries' stages interleaved so that their cache misses overlap (trie_query.cpp).
   struct Query;
   struct Batch;
   struct Level1Cache;
@@ -186,7 +186,7 @@ class TrieView : public dart::NgramQuery {
   }
   // Probe sequence from slot `i` (the slot of (parent, tok)).
   uint64_t hash_probe(uint64_t i, uint32_t tok, uint64_t s, uint64_t e) const;
-  // count_checked with the common case read inline (defined and used in trie.cpp only).
+  // count_checked with the common case read inline (defined in trie_query.hpp, for the query files).
   inline uint64_t count_fast(int k, uint64_t i, bool& ok) const;
   uint64_t child_at(const LevelView& L, uint64_t i) const {
     if (L.child_bytes == 4) {
